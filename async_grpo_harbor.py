@@ -1,0 +1,699 @@
+# /// script
+# requires-python = ">=3.12"
+# dependencies = [
+#     "trl==1.16.0",
+#     "openenv[harbor]==0.10.0",
+#     "vllm==0.29.0",
+#     "transformers",
+#     "torch",
+#     "e2b",
+#     "trackio",
+# ]
+# ///
+"""RL-train a language model on any Harbor task suite, through a loop-owning agent harness, with TRL's AsyncGRPO.
+
+The harness (default mini-swe-agent) runs inside a sandbox (default e2b) and drives itself; its model calls go
+through OpenEnv's capture proxy to your vLLM server, which records exact token ids and logprobs. Harbor's verifier
+scores the workspace. This script turns each rollout into a GRPO sample and trains the policy that vLLM serves.
+
+Run it (three terminals; see README.md for the full walk-through):
+
+    # 1. the policy server (GPU 0)
+    VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 \
+        --enable-auto-tool-choice --tool-call-parser hermes \
+        --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
+        --weight-transfer-config '{"backend":"nccl"}'
+
+    # 2. the Harbor server: one long-lived server, harness / sandbox / task are chosen per rollout
+    MAX_CONCURRENT_ENVS=64 openenv harbor serve --dataset AdithyaSK/data_agent_rl_environment_train \
+        --host 127.0.0.1 --port 8001 --expose direct --llm-url http://localhost:8000/v1
+
+    # 3. train (GPU 1)
+    E2B_API_KEY=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
+        --vllm-url http://localhost:8000 --harbor-url http://localhost:8001 --tasks @tasks.txt
+
+    # resume the latest checkpoint of that run (same --run-name or --output-dir)
+    uv run async_grpo_harbor.py ... --run-name <name printed at start> --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import http.client
+import json
+import os
+import queue
+import re
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from openenv.core.harness import ResourceSession, ResourceSessionFactory, VerifyResult
+from openenv.core.harness.training import TrainingTrace
+from openenv.harbor.client import HarborEnv
+from openenv.harbor.contract import to_training_trace
+from openenv.harbor.models import HarborRolloutResult
+
+DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="RL-train a model on a Harbor task suite through a loop-owning harness with TRL AsyncGRPO.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("policy and engine")
+    g.add_argument("--model", default="Qwen/Qwen3-4B-Instruct-2507",
+                   help="Model to train (hub id or local dir). Must be the model vLLM serves: its weights are "
+                        "replaced in vLLM after every optimizer step.")
+    g.add_argument("--vllm-url", default="http://localhost:8000",
+                   help="Base URL of `vllm serve` (no /v1). The trainer pushes weights there over NCCL.")
+
+    g = p.add_argument_group("harbor")
+    g.add_argument("--harbor-url", default="http://localhost:8001",
+                   help="Base URL of `openenv harbor serve`. One long-lived server serves every rollout.")
+    g.add_argument("--dataset", default=DEFAULT_DATASET,
+                   help="Harbor dataset spec the server serves (HF repo, dir or name@version); selects the server "
+                        "split. Default: 2,238 verified data-analysis tasks built for RL.")
+    g.add_argument("--split", default="",
+                   help="Server split name, when it differs from --dataset. Empty: the split named like --dataset, "
+                        "else the server's only split.")
+    g.add_argument("--tasks", default="@tasks.txt",
+                   help="Tasks to train on, in this order: indices, ranges and task names (`0-49,57,hello-world`), "
+                        "or `@file` with one entry per line (`#` comments). Every entry must exist on the server.")
+    g.add_argument("--harness", default="mini-swe-agent",
+                   help="Agent harness the server runs in the sandbox; it owns its own loop.")
+    g.add_argument("--sandbox", default="e2b",
+                   help="Harbor environment type the server starts per rollout (its credentials must be set on the "
+                        "server, e.g. E2B_API_KEY for e2b).")
+    g.add_argument("--reward-key", default="",
+                   help="For tasks that emit several rewards: the key to train on, or a comma-separated preference "
+                        "list. Empty: the task's `reward`.")
+    g.add_argument("--agent-step-limit", type=int, default=30,
+                   help="Model calls per rollout (a count, capped at the proxy). A memory guard, not a cost knob: "
+                        "every turn re-sends the conversation, so a rollout's packed length grows with its square.")
+    g.add_argument("--agent-timeout", type=float, default=600.0,
+                   help="Seconds the agent may run per rollout; 0 uses the task's own timeout.")
+
+    g = p.add_argument_group("GRPO")
+    g.add_argument("--num-generations", type=int, default=8,
+                   help="Rollouts per task per group; advantages compare rollouts of the same task (>= 2).")
+    g.add_argument("--groups-per-step", type=int, default=2,
+                   help="Task groups per optimizer step (samples per step = this x --num-generations).")
+    g.add_argument("--max-inflight", type=int, default=16,
+                   help="Rollouts running at once (= sandboxes alive at once). Size the Harbor server's "
+                        "MAX_CONCURRENT_ENVS to at least twice this.")
+    g.add_argument("--max-staleness", type=int, default=4,
+                   help="Optimizer steps a rollout may lag the current policy before it is dropped. Never below 1 in "
+                        "practice: accelerate prefetches one batch.")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
+    g.add_argument("--max-completion-length", type=int, default=4096,
+                   help="Tokens per model call (a turn), for the trainer's length bookkeeping.")
+    g.add_argument("--learning-rate", type=float, default=1e-6, help="AdamW learning rate (constant schedule).")
+    g.add_argument("--max-steps", type=int, default=500, help="Optimizer steps to train.")
+    g.add_argument("--efficiency-weight", type=float, default=0.1,
+                   help="Bonus for solving with fewer agent turns, as a fraction of the task reward (0 disables). "
+                        "Only solved rollouts get it, so it never rewards giving up early.")
+    g.add_argument("--max-consecutive-failures", type=int, default=32,
+                   help="Stop training after this many unscorable rollouts in a row (sandbox down, bad credentials, "
+                        "agent crash), instead of waiting forever for samples.")
+
+    g = p.add_argument_group("run")
+    g.add_argument("--output-dir", default="",
+                   help="Checkpoints and logs. Empty: runs/<run name>.")
+    g.add_argument("--run-name", default="",
+                   help="Empty: <model>-<harness>-<sandbox>-<SLURM_JOB_ID, else UTC time + random suffix>, so "
+                        "relaunches never write over each other while a requeued SLURM job keeps its name.")
+    g.add_argument("--project", default="async-grpo-harbor", help="trackio project.")
+    g.add_argument("--report-to", default="trackio", help="Where metrics go: trackio, none, or any HF integration.")
+    g.add_argument("--save-steps", type=int, default=50, help="Optimizer steps between checkpoints.")
+    g.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="Resume trainer state and task position: bare `--resume` takes the latest checkpoint in the "
+                        "output dir; or give a checkpoint path.")
+    return p
+
+
+class UsageError(Exception):
+    """Bad input or an unusable setup: reported as one line, exit code 2."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    positive = {"num_generations": 2, "groups_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
+                "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1}
+    for name, low in positive.items():
+        if getattr(args, name) < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
+    if args.max_inflight < args.num_generations:
+        raise UsageError(f"--max-inflight ({args.max_inflight}) must be >= --num-generations "
+                         f"({args.num_generations}): a group is only scored once all its rollouts finished")
+    if not args.temperature > 0:
+        raise UsageError(f"--temperature must be > 0 (got {args.temperature}): the proxy enforces a "
+                         "full-vocabulary sampling policy")
+    if args.max_staleness < 0 or args.agent_timeout < 0 or args.efficiency_weight < 0:
+        raise UsageError("--max-staleness, --agent-timeout and --efficiency-weight must be >= 0")
+    args.vllm_url = args.vllm_url.rstrip("/").removesuffix("/v1")
+    args.harbor_url = args.harbor_url.rstrip("/")
+    if not args.run_name:
+        stamp = (f"slurm{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID")
+                 else f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
+        model_short = Path(args.model.rstrip("/")).name
+        args.run_name = f"{model_short}-{args.harness}-{args.sandbox}-{stamp}"
+    args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
+    return args
+
+
+def print_table(title: str, rows: dict[str, Any]) -> None:
+    width = max(len(k) for k in rows)
+    print(f"\n{title}\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items()) + "\n", flush=True)
+
+
+def redact(text: str) -> str:
+    """Blank out the value of every secret-looking environment variable, so no message we print leaks one."""
+    for name, value in os.environ.items():
+        if len(value) >= 6 and re.search(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", name, re.I):
+            text = text.replace(value, f"<{name}>")
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tasks
+# ----------------------------------------------------------------------------------------------------------------------
+def read_task_spec(spec: str) -> list[tuple[str, str]]:
+    """`0-3,7,name` or `@file` -> [(entry, where it came from)], so errors can name the line."""
+    if spec.startswith("@"):
+        path = Path(spec[1:])
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise UsageError(f"--tasks {spec}: cannot read {path} ({exc.strerror}); give a file of task "
+                             "indices, ranges or names, one per line") from None
+        entries = []
+        for number, line in enumerate(lines, 1):
+            line = line.split("#", 1)[0].strip()
+            entries += [(part.strip(), f"{path}:{number}") for part in line.split(",") if part.strip()]
+        if not entries:
+            raise UsageError(f"--tasks {spec}: {path} lists no tasks (only blank lines and # comments)")
+        return entries
+    entries = [(part.strip(), "--tasks") for part in spec.split(",") if part.strip()]
+    if not entries:
+        raise UsageError("--tasks is empty; give indices, ranges or names, e.g. 0-49,57,hello-world")
+    return entries
+
+
+def resolve_tasks(entries: list[tuple[str, str]], catalogue: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Map each entry to a catalogue task; any entry that names no task is an error, never silently skipped."""
+    by_name = {}
+    for task in catalogue:
+        by_name.setdefault(task["task_name"], task)
+        by_name.setdefault(task["task_id"], task)
+    n = len(catalogue)
+    chosen = []
+    for entry, where in entries:
+        if re.fullmatch(r"\d+", entry):
+            indices = [int(entry)]
+        elif m := re.fullmatch(r"(\d+)-(\d+)", entry):
+            lo, hi = int(m[1]), int(m[2])
+            if lo > hi:
+                raise UsageError(f"{where}: range {entry!r} is backwards; write {hi}-{lo}")
+            indices = list(range(lo, hi + 1))
+        elif entry in by_name:
+            chosen.append(by_name[entry])
+            continue
+        else:
+            close = difflib.get_close_matches(entry, list(by_name), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise UsageError(f"{where}: no task named {entry!r} in the served split ({n} tasks){hint}")
+        bad = [i for i in indices if i >= n]
+        if bad:
+            raise UsageError(f"{where}: task index {bad[0]} is out of range: the served split has {n} tasks "
+                             f"(0-{n - 1})")
+        chosen += [catalogue[i] for i in indices]
+    return chosen
+
+
+def task_rows(tasks: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+    """One dataset row per task. The task's identity rides in the prompt message because that is all TRL hands the
+    session factory: the `seed` it passes is a group counter that differs per epoch and restarts at 0 on resume."""
+    return [
+        {"prompt": [{"role": "user", "content": f"[{t['task_name']}] {t.get('instruction', '')[:2000]}",
+                     "harbor_split": split, "harbor_task_index": int(t["index"])}]}
+        for t in tasks
+    ]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Session factory: one Harbor rollout per TRL session
+# ----------------------------------------------------------------------------------------------------------------------
+class HarborServerSession:
+    """One server session on `openenv harbor serve`, spoken over HTTP MCP (`POST /mcp`).
+
+    Why not `HarborEnv`'s websocket: the server reads a websocket close only after the running tool returns, so a
+    session stopped mid-rollout keeps its server slot until the trial ends (with no session timeout, the next run
+    then fails with "Server at capacity"), and `HarborEnv.close()` blocks ~10 s on the handshake. An HTTP session is
+    released at once by `openenv/session/close`, and shutting down our socket unblocks the waiting thread.
+    """
+
+    def __init__(self, base_url: str, timeout_s: float):
+        url = urllib.parse.urlsplit(base_url)
+        conn_cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        self._connect = functools.partial(conn_cls, url.hostname, url.port, timeout=timeout_s)
+        self._prefix = url.path.rstrip("/")
+        self._lock = threading.Lock()
+        self._conn: http.client.HTTPConnection | None = None
+        self.session_id: str | None = None
+        self.closed = False
+
+    def _rpc(self, method: str, params: dict[str, Any], conn: http.client.HTTPConnection) -> Any:
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
+        conn.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
+        reply = json.loads(conn.getresponse().read() or b"{}")
+        if reply.get("error"):
+            raise RuntimeError(f"harbor server: {method}: {reply['error'].get('message', reply['error'])}")
+        return reply.get("result")
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("session closed")
+            self._conn = conn = self._connect()
+        try:
+            if self.session_id is None:
+                self.session_id = self._rpc("openenv/session/create", {}, conn)["session_id"]
+            return self._rpc("tools/call", {"name": name, "arguments": arguments, "session_id": self.session_id},
+                             conn)
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            conn = self._conn
+        if conn is not None and conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self.session_id is not None:
+            closer = self._connect(timeout=10)
+            try:
+                self._rpc("openenv/session/close", {"session_id": self.session_id}, closer)
+            except (OSError, RuntimeError, ValueError):
+                pass  # the server is gone or already dropped the session: either way the slot is free
+            finally:
+                closer.close()
+
+
+class HarborRolloutClient(HarborEnv):
+    """`HarborEnv` whose MCP calls ride a `HarborServerSession`, so `run_rollout` keeps its exact wire contract."""
+
+    def __init__(self, base_url: str, timeout_s: float):
+        super().__init__(base_url=base_url, message_timeout_s=timeout_s)
+        self.server_session = HarborServerSession(base_url, timeout_s)
+
+    def _call(self, name: str, **kwargs: Any) -> Any:
+        result = self.server_session.call_tool(name, kwargs)
+        if isinstance(result, dict) and result.get("isError"):
+            raise RuntimeError(f"tool {name!r} failed: {json.dumps(result.get('content'))[:300]}")
+        return result
+
+    def close(self) -> None:
+        self.server_session.close()
+        self._http.close()
+
+
+class HarborSession(ResourceSession):
+    """One rollout: the harness runs on the server, we only wait for its result.
+
+    Satisfies OpenEnv's `TrainableSession`: `wait_for_completion()` runs the rollout, `fetch_training_trace()` hands
+    TRL the validated token capture, `verify()` forwards the verifier's reward. A failed rollout is unscorable
+    (reward None), never fatal; only a run of them stops training, through the one channel TRL offers: a ValueError
+    out of `fetch_training_trace()`.
+    """
+
+    def __init__(self, factory: HarborSessionFactory, prompt: list[dict[str, Any]]):
+        self._factory = factory
+        self._prompt = prompt
+        self._split = prompt[0]["harbor_split"]
+        self._task_index = int(prompt[0]["harbor_task_index"])
+        self._client = HarborRolloutClient(factory.harbor_url, factory.request_timeout_s)
+        self.result: HarborRolloutResult | None = None
+        self.failure: str | None = None
+
+    def initial_messages(self) -> list[dict[str, Any]]:
+        return list(self._prompt)
+
+    def list_tools(self) -> list:
+        return []
+
+    def call_tool(self, name: str, arguments: dict[str, Any]):
+        raise NotImplementedError("the harness owns its loop; tools run inside the sandbox")
+
+    def wait_for_completion(self, timeout_s: float | None = None) -> int:
+        f = self._factory
+        try:
+            self.result = self._client.run_rollout(
+                split=self._split, task_index=self._task_index, harness=f.harness, sandbox=f.sandbox,
+                reward_key=f.reward_key, agent_timeout_sec=f.agent_timeout_s, agent_step_limit=f.agent_step_limit,
+                sampling=f.sampling,
+            )
+        except Exception as exc:  # noqa: BLE001 - any transport failure is this rollout's failure, judged below
+            if self._client.server_session.closed:
+                raise RuntimeError("rollout abandoned: training is stopping") from exc
+            self.failure = f"harbor server call failed: {type(exc).__name__}: {exc}"
+            return 1
+        r = self.result
+        fatal = next((x for x in r.findings if "[FATAL" in x), None)
+        if not r.ok:
+            self.failure = f"{r.exception_type or 'error'}: {r.error}"
+        elif r.rollout_type != "train":
+            self.failure = ("the engine returned no token ids / processed logprobs (eval tier): restart vLLM with "
+                            "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
+        elif fatal:
+            self.failure = f"capture finding {fatal}"
+        elif r.reward is None:
+            self.failure = "the verifier produced no reward"
+        return 0 if self.failure is None else 1
+
+    def fetch_training_trace(self) -> TrainingTrace:
+        self._factory.record_outcome(self.failure, self._task_index)
+        if self.failure is not None:
+            return TrainingTrace(turns=[])
+        return to_training_trace(self.result)
+
+    def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
+        if self.failure is not None or self.result is None:
+            return VerifyResult(env_reward=None, done=True, metrics={"failure": self.failure})
+        r = self.result
+        return VerifyResult(env_reward=r.reward, done=True,
+                            metrics={"wall_s": r.wall_s, "turns": r.n_turns, **r.phase_timings})
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class HarborSessionFactory(ResourceSessionFactory):
+    """Creates one `HarborSession` per rollout. Built inside TRL's rollout child as `factory(sampling=...)`.
+
+    `sampling` is the trainer's own policy (temperature), forwarded to every `run_rollout` so the proxy samples at
+    the temperature the trainer scores at.
+    """
+
+    def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
+                 agent_timeout_s: float, max_consecutive_failures: int, sampling: dict[str, Any] | None = None):
+        self.harbor_url = harbor_url
+        self.harness = harness
+        self.sandbox = sandbox
+        self.reward_key = reward_key
+        self.agent_step_limit = agent_step_limit
+        self.agent_timeout_s = agent_timeout_s
+        # A rollout is bounded by the agent timeout plus sandbox setup and verification.
+        self.request_timeout_s = (agent_timeout_s or 3600.0) + 1800.0
+        self.max_consecutive_failures = max_consecutive_failures
+        self.sampling = dict(sampling or {})
+        self._lock = threading.Lock()
+        self._consecutive_failures = 0
+        self._watch_parent()
+
+    @staticmethod
+    def _watch_parent() -> None:
+        """Exit when the trainer is gone: a rollout child whose parent was killed keeps starting paid sandboxes."""
+        parent = os.getppid()
+
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(0)
+
+        threading.Thread(target=watch, daemon=True, name="harbor-parent-watch").start()
+
+    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:
+        return HarborSession(self, list(task))
+
+    def record_outcome(self, failure: str | None, task_index: int) -> None:
+        with self._lock:
+            self._consecutive_failures = 0 if failure is None else self._consecutive_failures + 1
+            count = self._consecutive_failures
+        if failure is not None:
+            print(redact(f"[harbor] rollout of task {task_index} unscorable: {failure[:300]}"), flush=True)
+        if count >= self.max_consecutive_failures:
+            raise ValueError(redact(
+                f"{ROLLOUTS_FAILING} {count} consecutive rollouts were unscorable; the last: {failure[:300]}"))
+
+
+ROLLOUTS_FAILING = "harbor rollouts failing:"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reward
+# ----------------------------------------------------------------------------------------------------------------------
+def harbor_reward(outcome: Any, *, step_limit: int, efficiency_weight: float) -> float | None:
+    """The verifier's reward, plus a bonus for solving in fewer agent turns.
+
+    reward = r + w * r * (1 - turns / step_limit)   when r > 0, else r
+    r is Harbor's verifier reward; w is --efficiency-weight. The bonus lies in [0, w * r]: it never turns a failure
+    into a success, never pays for giving up early (unsolved rollouts get none), and cannot exceed a fraction w of
+    the task reward. `None` (the rollout could not be scored) stays `None`, so it is left out of the group baseline.
+    """
+    r = outcome.env_reward
+    if r is None:
+        return None
+    if r <= 0:
+        return float(r)
+    turns = len(outcome.trace) or outcome.tool_call_count
+    return float(r + efficiency_weight * r * max(0.0, 1.0 - turns / step_limit))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Preflight: refuse a setup that would train on nothing, before loading any weights
+# ----------------------------------------------------------------------------------------------------------------------
+def http_json(url: str, timeout: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    try:
+        http_json(f"{args.vllm_url}/v1/models")
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"vLLM is not reachable at {args.vllm_url} ({exc}); start it first (see the `vllm serve` "
+                         "command in this script's docstring) or fix --vllm-url") from None
+    client = HarborEnv(base_url=args.harbor_url)
+    try:
+        splits = client.splits()
+        caps = client.capabilities()
+    except Exception as exc:  # noqa: BLE001 - any failure here means the same thing to the user
+        raise UsageError(f"Harbor server not reachable at {args.harbor_url} ({type(exc).__name__}: {exc}); start "
+                         "`openenv harbor serve ... --expose direct` or fix --harbor-url") from None
+    finally:
+        client.close()
+
+    harnesses = [h["name"] for h in caps.get("harnesses", [])]
+    if args.harness not in harnesses and ":" not in args.harness:
+        close = difflib.get_close_matches(args.harness, harnesses, n=len(harnesses), cutoff=0) or harnesses
+        raise UsageError(f"unknown harness {args.harness!r}; this server has: {', '.join(close)}")
+    sandboxes = {s["name"]: s for s in caps.get("sandboxes", [])}
+    box = sandboxes.get(args.sandbox)
+    if box is None:
+        close = difflib.get_close_matches(args.sandbox, list(sandboxes), n=len(sandboxes), cutoff=0)
+        raise UsageError(f"unknown sandbox {args.sandbox!r}; this server has: {', '.join(close)}")
+    if not box.get("available"):
+        raise UsageError(f"sandbox {args.sandbox!r} is not usable on the Harbor server: {box.get('detail', '')}")
+    llm = caps.get("llm") or {}
+    if llm.get("capture_level") != "tokens" or not llm.get("ok", True):
+        raise UsageError(
+            f"the Harbor server's engine {llm.get('url', '?')} cannot be trained on (capture level "
+            f"{llm.get('capture_level') or 'unknown'}): vLLM must run with --return-tokens-as-token-ids and "
+            "--logprobs-mode processed_logprobs so the proxy gets token ids and processed logprobs")
+
+    names = [s["name"] for s in splits]
+    split = args.split or (args.dataset if args.dataset in names else (names[0] if len(names) == 1 else ""))
+    if split not in names:
+        raise UsageError(f"the Harbor server does not serve {args.split or args.dataset!r}; it serves: "
+                         f"{', '.join(names) or 'nothing'}. Start it with --dataset {args.dataset} or pass --split")
+    catalogue = fetch_catalogue(args.harbor_url, split)
+    tasks = resolve_tasks(read_task_spec(args.tasks), catalogue)
+    return split, tasks, llm
+
+
+def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
+    client = HarborEnv(base_url=harbor_url)
+    try:
+        total = client.num_tasks(split)
+        return [t.model_dump() for start in range(0, total, page)
+                for t in client.get_task_range(split, start, min(start + page, total))]
+    finally:
+        client.close()
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    steps = [(int(m[1]), p) for p in Path(output_dir).glob("checkpoint-*")
+             if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and (p / "trainer_state.json").is_file()]
+    return str(max(steps)[1]) if steps else None
+
+
+def resolve_resume(args: argparse.Namespace) -> str | None:
+    if args.resume is None:
+        if latest_checkpoint(args.output_dir):
+            raise UsageError(f"{args.output_dir} already holds checkpoints of another run; pass --resume to "
+                             "continue it, or a new --run-name / --output-dir")
+        return None
+    if args.resume == "latest":
+        path = latest_checkpoint(args.output_dir)
+        if path is None:
+            raise UsageError(f"--resume: no checkpoint-N/trainer_state.json in {args.output_dir}; pass the run's "
+                             "--run-name or --output-dir, or a checkpoint path")
+        return path
+    if not (Path(args.resume) / "trainer_state.json").is_file():
+        raise UsageError(f"--resume {args.resume}: not a checkpoint (no trainer_state.json there)")
+    return args.resume
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Trainer
+# ----------------------------------------------------------------------------------------------------------------------
+def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
+    """Stop TRL's rollout child promptly and boundedly.
+
+    TRL 1.16's `stop()` joins the child for 15 s and terminates it: the child cannot exit while items it put on
+    `rollout_buffer` / `metrics_queue` are unread (mp.Queue flushes its pipe at exit), so we drain both while it
+    winds down. If the child died holding the stop Event's lock, `Event.set()` blocks forever: it gets its own
+    thread and a deadline.
+    """
+    proc = worker._process
+    if proc is None:
+        return
+    t0 = time.monotonic()
+    setter = threading.Thread(target=worker._stop_event_mp.set, daemon=True)
+    setter.start()
+    setter.join(timeout=2.0)
+    while proc.is_alive() and time.monotonic() - t0 < timeout_s:
+        for q in (worker.rollout_buffer, worker.metrics_queue):
+            try:
+                while True:
+                    q.get_nowait()
+            except (queue.Empty, OSError, EOFError, ValueError):
+                pass
+        proc.join(timeout=0.05)
+    if proc.is_alive():
+        print(f"[harbor] rollout worker did not exit within {timeout_s:.0f}s; killing it", flush=True)
+        proc.kill()
+        proc.join(timeout=5)
+    else:
+        print(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s "
+              f"(exit code {proc.exitcode})", flush=True)
+    worker._process = None
+
+
+def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]]):
+    from datasets import Dataset
+    from transformers import AutoTokenizer, GenerationConfig
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
+
+    class HarborRolloutWorker(HarnessRolloutWorker):
+        stop = stop_rollout_worker
+
+    samples_per_step = args.groups_per_step * args.num_generations
+    config = AsyncGRPOConfig(
+        output_dir=args.output_dir, run_name=args.run_name, project=args.project, report_to=args.report_to,
+        learning_rate=args.learning_rate, max_steps=args.max_steps, save_steps=args.save_steps,
+        save_strategy="steps", logging_steps=1, per_device_train_batch_size=samples_per_step,
+        num_generations=args.num_generations, max_inflight_tasks=args.max_inflight,
+        max_staleness=args.max_staleness, temperature=args.temperature,
+        max_completion_length=args.max_completion_length, vllm_server_base_url=args.vllm_url,
+        # Longest packed row: every agent turn re-sends the conversation, but the reconciler packs a rollout as one
+        # row of its final context, bounded by the step limit times a turn.
+        request_timeout=int(args.agent_timeout or 3600) + 1800,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    try:
+        eos = GenerationConfig.from_pretrained(args.model).eos_token_id
+    except OSError:
+        eos = None
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    eos_ids = [tokenizer.eos_token_id, *[i for i in eos_ids if i != tokenizer.eos_token_id]]
+    worker = HarborRolloutWorker(
+        model_name=args.model, dataset=Dataset.from_list(task_rows(tasks, split)), reward_funcs=[],
+        processing_class=tokenizer, eos_token_ids=eos_ids, num_generations=args.num_generations,
+        max_inflight_tasks=args.max_inflight, queue_maxsize=config.queue_maxsize,
+        vllm_server_url=args.vllm_url, max_tokens=args.max_completion_length, temperature=args.temperature,
+        request_timeout=config.request_timeout,
+        harness_session_factory=functools.partial(
+            HarborSessionFactory, harbor_url=args.harbor_url, harness=args.harness, sandbox=args.sandbox,
+            reward_key=args.reward_key, agent_step_limit=args.agent_step_limit,
+            agent_timeout_s=args.agent_timeout, max_consecutive_failures=args.max_consecutive_failures),
+        rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit,
+                                            efficiency_weight=args.efficiency_weight),
+    )
+    return AsyncGRPOTrainer(model=args.model, args=config, train_dataset=Dataset.from_list(task_rows(tasks, split)),
+                            processing_class=tokenizer, rollout_worker=worker)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------------------------
+def _raise_on_sigterm(signum, frame):
+    # Unwinding through trainer.train() runs TRL's cleanup: without it the rollout child is orphaned and keeps
+    # starting sandboxes.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        resume = resolve_resume(args)
+        split, tasks, llm = preflight(args)
+    except UsageError as exc:
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    print_table("async_grpo_harbor", {
+        "run name": args.run_name, "output dir": args.output_dir, "resume from": resume or "-",
+        "model": args.model, "vllm": args.vllm_url, "harbor": args.harbor_url,
+        "engine (server side)": f"{llm.get('url', '?')} capture={llm.get('capture_level', '?')}",
+        "split": split, "tasks": f"{len(tasks)} ({', '.join(t['task_name'] for t in tasks[:5])}"
+                                   f"{', ...' if len(tasks) > 5 else ''})",
+        "harness / sandbox": f"{args.harness} / {args.sandbox}", "reward key": args.reward_key or "reward",
+        "generations x groups/step": f"{args.num_generations} x {args.groups_per_step}",
+        "max inflight": args.max_inflight, "max staleness": args.max_staleness, "temperature": args.temperature,
+        "agent step limit / timeout": f"{args.agent_step_limit} calls / {args.agent_timeout:g} s",
+        "max completion length": args.max_completion_length, "learning rate": args.learning_rate,
+        "max steps / save steps": f"{args.max_steps} / {args.save_steps}",
+        "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
+        "report to": f"{args.report_to} (project {args.project})",
+    })
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    trainer = build_trainer(args, split, tasks)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except RuntimeError as exc:
+        cause = str(exc.__cause__ or exc)
+        if ROLLOUTS_FAILING in cause:
+            reason = cause.split(ROLLOUTS_FAILING, 1)[1].splitlines()[0].strip()
+            print(f"error: training stopped: {reason}. Fix the cause, then relaunch with --resume.", file=sys.stderr)
+            return 1
+        raise
+    trainer.save_model(args.output_dir)
+    print(f"[harbor] done: {trainer.state.global_step} steps, model saved to {args.output_dir}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
