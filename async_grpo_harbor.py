@@ -43,6 +43,7 @@ import difflib
 import functools
 import http.client
 import json
+import multiprocessing
 import os
 import queue
 import re
@@ -112,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("GRPO")
     g.add_argument("--num-generations", type=int, default=8,
                    help="Rollouts per task per group; advantages compare rollouts of the same task (>= 2).")
-    g.add_argument("--groups-per-step", type=int, default=2,
-                   help="Task groups per optimizer step (samples per step = this x --num-generations).")
+    g.add_argument("--micro-batches-per-step", type=int, default=4,
+                   help="Micro-batches per optimizer step. TRL packs each micro-batch with rollouts up to vLLM's "
+                        "max_model_len tokens (its token budget: no rollout can be longer, so none is dropped), so "
+                        "rollouts per step = this x how many fit in that budget.")
     g.add_argument("--max-inflight", type=int, default=16,
                    help="Rollouts running at once (= sandboxes alive at once). Size the Harbor server's "
                         "MAX_CONCURRENT_ENVS to at least twice this.")
@@ -154,7 +157,7 @@ class UsageError(Exception):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    positive = {"num_generations": 2, "groups_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
+    positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
                 "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1}
     for name, low in positive.items():
         if getattr(args, name) < low:
@@ -252,7 +255,7 @@ def task_rows(tasks: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
     session factory: the `seed` it passes is a group counter that differs per epoch and restarts at 0 on resume."""
     return [
         {"prompt": [{"role": "user", "content": f"[{t['task_name']}] {t.get('instruction', '')[:2000]}",
-                     "harbor_split": split, "harbor_task_index": int(t["index"])}]}
+                     "harbor_split": split, "harbor_task_index": int(t["index"]), "harbor_task_name": t["task_name"]}]}
         for t in tasks
     ]
 
@@ -348,11 +351,12 @@ class HarborSession(ResourceSession):
     out of `fetch_training_trace()`.
     """
 
-    def __init__(self, factory: HarborSessionFactory, prompt: list[dict[str, Any]]):
+    def __init__(self, factory: HarborSessionFactory, prompt: list[dict[str, Any]], group: int | None):
         self._factory = factory
         self._prompt = prompt
         self._split = prompt[0]["harbor_split"]
         self._task_index = int(prompt[0]["harbor_task_index"])
+        self.label = f"group {group} task {self._task_index} ({prompt[0]['harbor_task_name']})"
         self._client = HarborRolloutClient(factory.harbor_url, factory.request_timeout_s)
         self.result: HarborRolloutResult | None = None
         self.failure: str | None = None
@@ -393,7 +397,7 @@ class HarborSession(ResourceSession):
         return 0 if self.failure is None else 1
 
     def fetch_training_trace(self) -> TrainingTrace:
-        self._factory.record_outcome(self.failure, self._task_index)
+        self._factory.record_outcome(self)
         if self.failure is not None:
             return TrainingTrace(turns=[])
         return to_training_trace(self.result)
@@ -406,6 +410,7 @@ class HarborSession(ResourceSession):
                             metrics={"wall_s": r.wall_s, "turns": r.n_turns, **r.phase_timings})
 
     def close(self) -> None:
+        self._factory.live_sessions.discard(self)
         self._client.close()
 
 
@@ -430,29 +435,48 @@ class HarborSessionFactory(ResourceSessionFactory):
         self.sampling = dict(sampling or {})
         self._lock = threading.Lock()
         self._consecutive_failures = 0
-        self._watch_parent()
+        self.live_sessions: set[HarborSession] = set()
+        if multiprocessing.parent_process() is not None and threading.current_thread() is threading.main_thread():
+            self._guard_rollout_child()
 
-    @staticmethod
-    def _watch_parent() -> None:
-        """Exit when the trainer is gone: a rollout child whose parent was killed keeps starting paid sandboxes."""
+    def _guard_rollout_child(self) -> None:
+        """Make TRL's rollout child leave only through the trainer, or release its server sessions on the way out.
+
+        Ctrl-C and SLURM signal the whole process group: a child dying on them strands its server sessions (slots that
+        the next run needs) while the trainer is still winding down. A child whose trainer was killed outright would
+        otherwise go on starting paid sandboxes with nobody to train on them.
+        """
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda signum, frame: self._abandon(128 + signum))
         parent = os.getppid()
 
-        def watch():
+        def watch_parent():
             while os.getppid() == parent:
                 time.sleep(1.0)
-            os._exit(0)
+            self._abandon(1)
 
-        threading.Thread(target=watch, daemon=True, name="harbor-parent-watch").start()
+        threading.Thread(target=watch_parent, daemon=True, name="harbor-parent-watch").start()
+
+    def _abandon(self, exit_code: int) -> None:
+        for session in list(self.live_sessions):
+            session.close()
+        os._exit(exit_code)
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:
-        return HarborSession(self, list(task))
+        # `seed` is TRL's group counter: only a label here, the task itself comes from the prompt.
+        session = HarborSession(self, list(task), seed)
+        self.live_sessions.add(session)
+        return session
 
-    def record_outcome(self, failure: str | None, task_index: int) -> None:
+    def record_outcome(self, session: HarborSession) -> None:
+        failure, r = session.failure, session.result
         with self._lock:
             self._consecutive_failures = 0 if failure is None else self._consecutive_failures + 1
             count = self._consecutive_failures
-        if failure is not None:
-            print(redact(f"[harbor] rollout of task {task_index} unscorable: {failure[:300]}"), flush=True)
+        if failure is None:
+            print(f"[harbor] {session.label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s", flush=True)
+            return
+        print(redact(f"[harbor] {session.label}: unscorable: {failure[:300]}"), flush=True)
         if count >= self.max_consecutive_failures:
             raise ValueError(redact(
                 f"{ROLLOUTS_FAILING} {count} consecutive rollouts were unscorable; the last: {failure[:300]}"))
@@ -491,8 +515,8 @@ def http_json(url: str, timeout: float = 10.0) -> Any:
 
 def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
     try:
-        http_json(f"{args.vllm_url}/v1/models")
-    except (OSError, ValueError) as exc:
+        served = http_json(f"{args.vllm_url}/v1/models")["data"][0]
+    except (OSError, ValueError, KeyError, IndexError) as exc:
         raise UsageError(f"vLLM is not reachable at {args.vllm_url} ({exc}); start it first (see the `vllm serve` "
                          "command in this script's docstring) or fix --vllm-url") from None
     client = HarborEnv(base_url=args.harbor_url)
@@ -530,6 +554,7 @@ def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict
                          f"{', '.join(names) or 'nothing'}. Start it with --dataset {args.dataset} or pass --split")
     catalogue = fetch_catalogue(args.harbor_url, split)
     tasks = resolve_tasks(read_task_spec(args.tasks), catalogue)
+    llm["max_model_len"] = served.get("max_model_len")
     return split, tasks, llm
 
 
@@ -581,9 +606,10 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     if proc is None:
         return
     t0 = time.monotonic()
-    setter = threading.Thread(target=worker._stop_event_mp.set, daemon=True)
-    setter.start()
-    setter.join(timeout=2.0)
+    if proc.is_alive():
+        setter = threading.Thread(target=worker._stop_event_mp.set, daemon=True)
+        setter.start()
+        setter.join(timeout=5.0)
     while proc.is_alive() and time.monotonic() - t0 < timeout_s:
         for q in (worker.rollout_buffer, worker.metrics_queue):
             try:
@@ -597,12 +623,13 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
         proc.kill()
         proc.join(timeout=5)
     else:
-        print(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s "
-              f"(exit code {proc.exitcode})", flush=True)
+        print(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s (exit code "
+              f"{proc.exitcode})", flush=True)
     worker._process = None
 
 
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]]):
+    import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, GenerationConfig
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -611,16 +638,15 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     class HarborRolloutWorker(HarnessRolloutWorker):
         stop = stop_rollout_worker
 
-    samples_per_step = args.groups_per_step * args.num_generations
     config = AsyncGRPOConfig(
         output_dir=args.output_dir, run_name=args.run_name, project=args.project, report_to=args.report_to,
         learning_rate=args.learning_rate, max_steps=args.max_steps, save_steps=args.save_steps,
-        save_strategy="steps", logging_steps=1, per_device_train_batch_size=samples_per_step,
+        save_strategy="steps", logging_steps=1, gradient_accumulation_steps=args.micro_batches_per_step,
+        # bf16 autocast exists only on GPUs; elsewhere it would score at another precision than the engine.
+        bf16=torch.cuda.is_available(),
         num_generations=args.num_generations, max_inflight_tasks=args.max_inflight,
         max_staleness=args.max_staleness, temperature=args.temperature,
         max_completion_length=args.max_completion_length, vllm_server_base_url=args.vllm_url,
-        # Longest packed row: every agent turn re-sends the conversation, but the reconciler packs a rollout as one
-        # row of its final context, bounded by the step limit times a turn.
         request_timeout=int(args.agent_timeout or 3600) + 1800,
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -668,10 +694,11 @@ def main(argv: list[str] | None = None) -> int:
         "run name": args.run_name, "output dir": args.output_dir, "resume from": resume or "-",
         "model": args.model, "vllm": args.vllm_url, "harbor": args.harbor_url,
         "engine (server side)": f"{llm.get('url', '?')} capture={llm.get('capture_level', '?')}",
+        "tokens per micro-batch": f"{llm['max_model_len']} (vLLM max_model_len: TRL's token budget)",
         "split": split, "tasks": f"{len(tasks)} ({', '.join(t['task_name'] for t in tasks[:5])}"
                                    f"{', ...' if len(tasks) > 5 else ''})",
         "harness / sandbox": f"{args.harness} / {args.sandbox}", "reward key": args.reward_key or "reward",
-        "generations x groups/step": f"{args.num_generations} x {args.groups_per_step}",
+        "generations / micro-batches per step": f"{args.num_generations} / {args.micro_batches_per_step}",
         "max inflight": args.max_inflight, "max staleness": args.max_staleness, "temperature": args.temperature,
         "agent step limit / timeout": f"{args.agent_step_limit} calls / {args.agent_timeout:g} s",
         "max completion length": args.max_completion_length, "learning rate": args.learning_rate,

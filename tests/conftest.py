@@ -1,0 +1,163 @@
+"""The CPU rig: a stand-in engine and the REAL Harbor server, started for the tests, and a way to run the script.
+
+`tests/run.sh` provides the two interpreters: this process (the trainer's Python 3.11 with CPU torch) and
+$AGH_SERVER_PYTHON (Python 3.12 with openenv[harbor] and mini-swe-agent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RIG = ROOT / "tests" / "rig"
+SCRIPT = ROOT / "async_grpo_harbor.py"
+SERVED_NAME = "tiny-qwen3"
+# Solve probabilities of the stand-in engine's scripted policy: one task always solved, one never, two sometimes.
+POLICY = {"tasks": {"echo-hello": 1.0, "never": 0.0, "coin": 0.5, "coin2": 0.5}, "answers": {"echo-hello": "hello"}}
+# A rollout here is ~1.2k tokens, mostly the shared system prompt; TRL packs samples by unique tokens up to
+# max_model_len, so a small context closes a micro-batch every few samples.
+MAX_MODEL_LEN = 1600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 10.0):
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def post_json(url: str, body: dict, timeout: float = 30.0):
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+class Service:
+    """A child process with its log in a file; its log tail is shown when it fails to come up."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path, ready_url: str, env: dict | None = None,
+                 cwd: Path | None = None):
+        self.name, self.log, self.ready_url = name, log, ready_url
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=cwd,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                get_json(self.ready_url, timeout=5)
+                return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not come up:\n" + self.log.read_text()[-3000:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+class Rig:
+    """One stand-in engine plus one Harbor server pointed at it."""
+
+    def __init__(self, workdir: Path, model_dir: Path, engine_flags: list[str], max_concurrent_envs: int = 8):
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir, self.model_dir = workdir, model_dir
+        self.max_concurrent_envs = max_concurrent_envs
+        policy = workdir / "policy.json"
+        policy.write_text(json.dumps(POLICY))
+        engine_port, harbor_port = free_port(), free_port()
+        self.engine_url = f"http://127.0.0.1:{engine_port}"
+        self.harbor_url = f"http://127.0.0.1:{harbor_port}"
+        self.engine = Service(
+            "engine", [sys.executable, str(RIG / "engine.py"), "--model-dir", str(model_dir), "--port",
+                       str(engine_port), "--served-name", SERVED_NAME, "--policy", str(policy),
+                       "--max-model-len", str(MAX_MODEL_LEN), *engine_flags],
+            workdir / "engine.log", f"{self.engine_url}/health")
+        self.engine.wait_ready()
+        self.harbor = Service(
+            "harbor server", [os.environ["AGH_SERVER_PYTHON"], str(RIG / "harbor_server.py"),
+                              "--dataset", str(RIG / "tasks"), "--llm-url", f"{self.engine_url}/v1",
+                              "--host", "127.0.0.1", "--port", str(harbor_port), "--capture-port", str(free_port()),
+                              "--expose", "direct"],
+            workdir / "harbor.log", f"{self.harbor_url}/harbor_env/splits",
+            env={"MAX_CONCURRENT_ENVS": str(max_concurrent_envs), "RIG_SANDBOX_DIR": str(workdir / "sandboxes"),
+                 "OPENENV_HARBOR_TRIALS_DIR": str(workdir / "trials")},
+            cwd=workdir)
+        self.harbor.wait_ready()
+        self.split = get_json(f"{self.harbor_url}/harbor_env/splits")[0]["name"]
+
+    def engine_stats(self) -> dict:
+        return get_json(f"{self.engine_url}/stand_in/stats")
+
+    def base_args(self) -> list[str]:
+        return ["--model", str(self.model_dir), "--vllm-url", self.engine_url, "--harbor-url", self.harbor_url,
+                "--dataset", self.split, "--harness", "mini-swe-agent", "--sandbox", "local",
+                "--reward-key", "correct,reward", "--report-to", "none"]
+
+    def stop(self) -> None:
+        for service in (self.harbor, self.engine):
+            service.stop()
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(RIG / "sitecustomize"), "AGH_CPU_RIG": "1", "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def run_script(args: list[str], cwd: Path, timeout: float = 900.0, **env: str) -> subprocess.CompletedProcess:
+    """Run the training script as a user would; its output is echoed so a failing test shows it."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, env=script_env(**env), text=True,
+                          capture_output=True, timeout=timeout)
+    print(f"$ async_grpo_harbor.py {' '.join(args)}\n--- stdout\n{proc.stdout[-20000:]}\n--- stderr\n"
+          f"{proc.stderr[-20000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    cache = Path(os.environ.get("AGH_CACHE_DIR") or tmp_path_factory.mktemp("cache")) / "tiny-qwen3"
+    subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(cache)], check=True)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def rig(tmp_path_factory, tiny_model):
+    rig = Rig(tmp_path_factory.mktemp("rig"), tiny_model, [])
+    yield rig
+    rig.stop()
+
+
+@pytest.fixture
+def make_rig(tmp_path, tiny_model):
+    """A private rig with extra engine flags, e.g. an engine without token ids."""
+    rigs = []
+
+    def make(*engine_flags: str) -> Rig:
+        rigs.append(Rig(tmp_path / f"rig{len(rigs)}", tiny_model, list(engine_flags)))
+        return rigs[-1]
+
+    yield make
+    for r in rigs:
+        r.stop()

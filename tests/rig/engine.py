@@ -1,0 +1,357 @@
+"""Loopback stand-in for `vllm serve` (0.29) on CPU, speaking the wire contract the rig depends on.
+
+    python tests/rig/engine.py --model-dir DIR --port P --served-name NAME [--policy policy.json]
+                               [--score-temperature-offset X] [--no-token-ids]
+
+Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_logprobs
+--return-tokens-as-token-ids --enable-auto-tool-choice --tool-call-parser hermes
+--weight-transfer-config '{"backend":"nccl"}'` with VLLM_SERVER_DEV_MODE=1:
+
+* `/v1/chat/completions` (non-streaming; OpenEnv's capture proxy always forces `stream: false`): the prompt is the
+  chat template rendering of `messages` + `tools`, tokenised locally; the completion is SCRIPTED text (a random
+  tiny model cannot act) encoded + `<|im_end|>`, and its logprobs are what the tiny model really assigns to those ids:
+  log_softmax(logits / T) at the request temperature (processed logprobs; T absent or ~0 scores at 1.0, as vLLM's
+  greedy path does). `--score-temperature-offset X` scores at T + X, a deliberately mismatched engine.
+  `--no-token-ids` answers like a plain OpenAI server: no ids, no logprobs (OpenEnv grades it `eval`).
+* The TRL control plane (`/health`, `/v1/models`, `/server_info`, `/get_world_size`, `/pause`, `/resume`, the weight
+  update calls) answers as vLLM's does; the NCCL receive is replaced by `POST /stand_in/load_weights`, whose body
+  is `safetensors.torch.save(state_dict)` under HF parameter names.
+* `GET /stand_in/stats`: every chat request's sampling params and served token counts, for tests to assert on.
+  `POST /stand_in/policy` replaces the policy below without a restart.
+
+Policy (`--policy`, JSON; every key optional):
+
+    {"tasks":   {"echo-hello": 1.0, "never": 0.0, "coin": 0.5},  # P(solve) per task
+     "default": 0.5,                                             # P(solve) for a task not listed (or unmarked)
+     "answers": {"echo-hello": "hello"},                         # what solving writes; default: the task name
+     "answer_file": "/app/answer.txt",                           # where both scripts write
+     "wrong_answer": "wrong",                                    # what failing writes
+     "seed": 0}
+
+A conversation names its task with a `rig-task: NAME` marker anywhere in a user message (put it in the Harbor
+task's instruction; mini-swe-agent embeds the instruction in its first user message). With tools offered, the
+script is what mini-swe-agent 2.4.6 acts on, a Qwen3/hermes `bash` tool call per turn:
+    turn 0: `mkdir -p DIR && printf '%s\\n' ANSWER > FILE`  (ANSWER, or wrong_answer with probability 1 - P(solve))
+    turn 1+: `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`   (mini-swe-agent's submit command, which ends the run)
+Without tools the reply is the text `ok`. The solve/fail draw is seeded by (seed, request counter), so it is
+deterministic given request order yet varies across the rollouts of one group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import shlex
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import PurePosixPath
+from urllib.parse import urlsplit
+
+import torch
+from safetensors.torch import load as load_safetensors
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+TASK_MARKER = re.compile(r"rig-task:\s*([\w.-]+)")
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: below it a request is greedy
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "logprobs",
+                 "top_logprobs", "return_token_ids", "seed", "stop", "n", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty", "tool_choice", "stream")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Engine:
+    def __init__(self, model_dir, served_name, policy, score_offset=0.0, token_ids=True, max_model_len=32768):
+        self.model_dir, self.served_name = str(model_dir), served_name
+        # vLLM's context length: the trainer's default token budget per micro-batch, so it decides samples per step.
+        self.max_model_len = max_model_len
+        self.policy, self.score_offset, self.token_ids = policy, score_offset, token_ids
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.eos_id = self.tokenizer.eos_token_id
+        self.model_lock = threading.Lock()  # forward passes vs weight loads
+        self.state_lock = threading.Lock()  # counters and the stats log
+        self.running = threading.Event()  # cleared by /pause: new and in-flight requests wait, as vLLM's mode=keep
+        self.running.set()
+        self.weight_version = 0
+        self.n_requests = 0
+        self.requests: list[dict] = []
+        self.control_calls: dict[str, int] = {}
+
+    # ---- chat completions --------------------------------------------------------------------------------------
+    def chat(self, body: dict) -> dict:
+        if body.get("model") not in (self.served_name, None):
+            raise HTTPError(404, f"The model `{body.get('model')}` does not exist.")
+        if body.get("stream"):
+            raise HTTPError(400, "stand-in engine does not stream (the capture proxy always sends stream=false)")
+        if body.get("n", 1) != 1:
+            raise HTTPError(400, "stand-in engine supports n=1 only")
+        with self.state_lock:
+            index = self.n_requests
+            self.n_requests += 1
+        messages, tools = _vllm_messages(body.get("messages") or []), body.get("tools") or None
+        prompt_text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=body.get("add_generation_prompt", True), tokenize=False,
+            **(body.get("chat_template_kwargs") or {}))
+        prompt_ids = self.tokenizer.encode(prompt_text, add_special_tokens=False)
+
+        decision, reply = self._script(messages, tools, index)
+        completion_ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_id]
+        caps = [c for c in (body.get("max_completion_tokens"), body.get("max_tokens")) if c is not None]
+        cap = min(caps + [self.max_model_len - len(prompt_ids)])
+        truncated = len(completion_ids) > cap
+        completion_ids = completion_ids[:cap]
+        text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
+
+        temperature = body.get("temperature")
+        score_t = (1.0 if temperature is None or temperature < GREEDY_EPS else float(temperature)) + self.score_offset
+        # vLLM fills logprobs.content only when top_logprobs is set (SamplingParams.logprobs = top_logprobs).
+        want_logprobs = self.token_ids and body.get("logprobs") and body.get("top_logprobs") is not None
+        self.running.wait()
+        with self.model_lock:
+            version = self.weight_version
+            logprobs = (self._logprobs(prompt_ids, completion_ids, score_t, body["top_logprobs"])
+                        if want_logprobs else None)
+
+        content, tool_calls = _hermes(text, index) if tools else (text, [])
+        finish = "length" if truncated else ("tool_calls" if tool_calls else "stop")
+        choice = {"index": 0, "message": {"role": "assistant", "content": content, "tool_calls": tool_calls,
+                                          "reasoning": None},
+                  "logprobs": logprobs, "finish_reason": finish, "stop_reason": None}
+        response = {"id": f"chatcmpl-{index:08x}", "object": "chat.completion", "created": int(time.time()),
+                    "model": self.served_name, "choices": [choice],
+                    "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion_ids),
+                              "total_tokens": len(prompt_ids) + len(completion_ids), "prompt_tokens_details": None},
+                    "prompt_logprobs": None}
+        if self.token_ids and body.get("return_token_ids"):
+            response["prompt_token_ids"] = prompt_ids
+            choice["token_ids"] = completion_ids
+        with self.state_lock:
+            self.requests.append({
+                "index": index, "sampling": {k: body[k] for k in SAMPLING_KEYS if k in body},
+                "score_temperature": score_t, "weight_version": version, "script": decision,
+                "prompt_tokens": len(prompt_ids), "completion_tokens": len(completion_ids), "finish_reason": finish})
+        return response
+
+    def _script(self, messages, tools, index) -> tuple[str, str]:
+        """(decision, completion text). Only turn 0 draws, so one rollout never mixes solve and fail."""
+        if not tools:
+            return "reply", "ok"
+        if any(m.get("role") == "assistant" for m in messages):
+            return "submit", _tool_call_text(SUBMIT)
+        policy = self.policy
+        user_text = "\n".join(m["content"] for m in messages if m.get("role") == "user"
+                              and isinstance(m.get("content"), str))
+        match = TASK_MARKER.search(user_text)
+        task = match.group(1) if match else "unknown"
+        p_solve = policy.get("tasks", {}).get(task, policy.get("default", 0.5))
+        solve = random.Random(f"{policy.get('seed', 0)}:{index}").random() < p_solve
+        answer = policy.get("answers", {}).get(task, task) if solve else policy.get("wrong_answer", "wrong")
+        path = policy.get("answer_file", "/app/answer.txt")
+        command = (f"mkdir -p {shlex.quote(str(PurePosixPath(path).parent))} && "
+                   f"printf '%s\\n' {shlex.quote(answer)} > {shlex.quote(path)}")
+        return f"{'solve' if solve else 'fail'}:{task}", _tool_call_text(command)
+
+    def _logprobs(self, prompt_ids, completion_ids, temperature, top_k) -> dict:
+        ids = torch.tensor([prompt_ids + completion_ids])
+        with torch.no_grad():
+            logits = self.model(ids).logits[0, len(prompt_ids) - 1: -1]
+        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+        k = logprobs.shape[-1] if top_k == -1 else min(int(top_k), logprobs.shape[-1])
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        content = []
+        for pos, token_id in enumerate(completion_ids):
+            # vLLM builds {sampled, rank 1..k} in that order and lists the first k entries, so a sampled token outside
+            # the top k displaces the k-th; reproduced rather than "fixed", since clients see exactly this.
+            ranked = {token_id: float(logprobs[pos, token_id])}
+            if k:
+                for value, tid in zip(top_values[pos].tolist(), top_ids[pos].tolist()):
+                    ranked.setdefault(tid, value)
+            top = [_lp_entry(tid, lp) for tid, lp in list(ranked.items())[:k]]
+            content.append({**_lp_entry(token_id, ranked[token_id]), "top_logprobs": top})
+        return {"content": content}
+
+    # ---- control plane -------------------------------------------------------------------------------------------
+    def load_weights(self, payload: bytes) -> dict:
+        state_dict = load_safetensors(payload)
+        expected = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        received = {name: tuple(t.shape) for name, t in state_dict.items()}
+        if received != expected:
+            # Checked up front because load_state_dict(strict=True) copies the matching tensors before raising,
+            # which would leave a half-updated model serving under the old version number.
+            raise HTTPError(400, f"state dict mismatch: missing {sorted(expected.keys() - received.keys())}, "
+                                 f"unexpected {sorted(received.keys() - expected.keys())}, shapes differ for "
+                                 f"{sorted(n for n in expected.keys() & received.keys() if expected[n] != received[n])}")
+        with self.model_lock:
+            self.model.load_state_dict(state_dict, strict=True)
+            self.weight_version += 1
+            return {"weight_version": self.weight_version, "tensors": len(state_dict)}
+
+    def set_policy(self, policy: dict) -> dict:
+        self.policy = policy  # read once per request, so a swap never splits one request across two policies
+        return {"status": "ok"}
+
+    def control(self, name: str) -> dict:
+        with self.state_lock:
+            self.control_calls[name] = self.control_calls.get(name, 0) + 1
+        if name == "pause":
+            self.running.clear()
+        elif name == "resume":
+            self.running.set()
+        return {"status": "ok"}
+
+    def stats(self) -> dict:
+        with self.state_lock:
+            return {"requests": self.n_requests, "weight_version": self.weight_version,
+                    "paused": not self.running.is_set(), "control_calls": dict(self.control_calls),
+                    "chat": list(self.requests)}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.served_name, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model_dir,
+            "parent": None, "max_model_len": self.max_model_len}]}
+
+    def server_info(self) -> dict:
+        return {"vllm_config": {"model_config": {
+            "model": self.model_dir, "served_model_name": self.served_name, "dtype": "torch.float32",
+            "max_model_len": self.max_model_len, "logprobs_mode": "processed_logprobs"}}}
+
+
+def _vllm_messages(messages: list) -> list:
+    """The request messages as vLLM hands them to the chat template.
+
+    vLLM parses tool-call `arguments` strings into dicts before rendering, so the template re-serialises them with
+    `tojson`; text-part lists are joined with newlines (the "string" content format).
+    """
+    out = []
+    for message in messages:
+        message = dict(message)
+        if isinstance(message.get("content"), list):
+            message["content"] = "\n".join(p.get("text", "") for p in message["content"] if isinstance(p, dict))
+        if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call.get("function") or {})
+                args = function.get("arguments")
+                function["arguments"] = (json.loads(args) if isinstance(args, str) and args else args or {})
+                calls.append({**call, "function": function})
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def _tool_call_text(command: str) -> str:
+    # Exactly what the Qwen3 template renders for a content-less assistant turn with this call: a reply with text
+    # before `<tool_call>` would come back from the hermes parser as "text\n" and re-render as "text\n\n<tool_call>",
+    # breaking the token-prefix extension between turns.
+    arguments = json.dumps({"command": command}, ensure_ascii=False)
+    return f'<tool_call>\n{{"name": "bash", "arguments": {arguments}}}\n</tool_call>'
+
+
+def _hermes(text: str, index: int) -> tuple[str | None, list]:
+    """vLLM's hermes tool parser, non-streaming: content before the first `<tool_call>`, or all text on failure."""
+    if "<tool_call>" not in text:
+        return text, []
+    try:
+        calls = [json.loads(a or b) for a, b in
+                 re.findall(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", text, flags=re.DOTALL)]
+        tool_calls = [{"id": f"chatcmpl-tool-{index:08x}-{i}", "type": "function",
+                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                      for i, c in enumerate(calls)]
+    except (ValueError, KeyError, TypeError):
+        return text, []
+    return text[: text.index("<tool_call>")] or None, tool_calls
+
+
+def _lp_entry(token_id: int, logprob: float) -> dict:
+    token = f"token_id:{token_id}"  # --return-tokens-as-token-ids; vLLM takes `bytes` from this same string
+    return {"token": token, "logprob": max(logprob, -9999.0) if math.isfinite(logprob) else -9999.0,
+            "bytes": list(token.encode())}
+
+
+def _handler(engine: Engine):
+    controls = {"/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                "/finish_weight_update"}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            path = urlsplit(self.path).path
+            routes = {"/health": lambda: {}, "/v1/models": engine.models, "/server_info": engine.server_info,
+                      "/get_world_size": lambda: {"world_size": 1}, "/version": lambda: {"version": "0.29.0"},
+                      "/stand_in/stats": engine.stats}
+            self._answer(routes.get(path))
+
+        def do_POST(self):
+            path = urlsplit(self.path).path
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if path == "/v1/chat/completions":
+                self._answer(lambda: engine.chat(json.loads(body or b"{}")))
+            elif path == "/stand_in/load_weights":
+                self._answer(lambda: engine.load_weights(body))
+            elif path == "/stand_in/policy":
+                self._answer(lambda: engine.set_policy(json.loads(body)))
+            elif path in controls:
+                self._answer(lambda: engine.control(path.strip("/")))
+            else:
+                self._answer(None)
+
+        def _answer(self, produce):
+            try:
+                if produce is None:
+                    raise HTTPError(404, f"no route {self.command} {self.path}")
+                status, payload = 200, produce()
+            except HTTPError as exc:
+                status, payload = exc.status, _error(exc.status, str(exc))
+            except Exception as exc:  # noqa: BLE001 - a bad request must not kill the engine under test
+                status, payload = 400, _error(400, f"{type(exc).__name__}: {exc}")
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):  # per-request lines would drown test output; /stand_in/stats has the record
+            pass
+
+    return Handler
+
+
+def _error(status: int, message: str) -> dict:
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "Error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--served-name", required=True)
+    parser.add_argument("--policy", help="policy JSON file (schema in this module's docstring)")
+    parser.add_argument("--score-temperature-offset", type=float, default=0.0)
+    parser.add_argument("--no-token-ids", action="store_true")
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    args = parser.parse_args(argv)
+    policy = json.load(open(args.policy)) if args.policy else {}
+    torch.set_num_threads(1)  # the trainer shares this CPU; a tiny model gains nothing from more threads
+    engine = Engine(args.model_dir, args.served_name, policy, args.score_temperature_offset, not args.no_token_ids,
+                    args.max_model_len)
+    server = ThreadingHTTPServer((args.host, args.port), _handler(engine))
+    print(f"stand-in engine serving {args.served_name} on http://{args.host}:{server.server_port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

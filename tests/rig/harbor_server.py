@@ -1,0 +1,101 @@
+"""Run the real `openenv harbor serve` with the rig's `local` sandbox registered in-process.
+
+    /tmp/v312/bin/python tests/rig/harbor_server.py --dataset tests/rig/tasks \
+        --llm-url http://127.0.0.1:8001 --host 127.0.0.1 --port 8000 --capture-port 8100 --expose direct
+
+Every argument goes to `openenv harbor serve` unchanged; this file only adds two things first.
+
+1. `sandbox="local"` (and `local-down`, the same with its backend down). Harbor's `EnvironmentConfig.type` is a closed enum, but it takes any
+   environment by `import_path`, and OpenEnv already uses exactly that escape hatch for its E2B
+   streaming variant. So `build_trial_config` is wrapped to turn `local` into
+   `import_path=local_sandbox:LocalSandbox`, and the capabilities report is taught the name so
+   clients see it listed as usable.
+2. The mini-swe-agent install step is skipped when the sandbox already has the agent. Harbor's
+   `install()` fetches uv and a Python from GitHub, which this machine cannot reach; the run command
+   itself stays Harbor's own.
+
+Session slots: OpenEnv sizes them from `MAX_CONCURRENT_ENVS` (default 4), one per connected client.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+RIG_DIR = Path(__file__).resolve().parent
+# Sandbox name -> Harbor environment class. `local-down` is the same sandbox with its backend down.
+SANDBOXES = {"local": "local_sandbox:LocalSandbox", "local-down": "local_sandbox:UnreachableSandbox"}
+
+# Identical to the PATH prelude of Harbor's own mini-swe-agent run command, so "present" means
+# "the run command will find it".
+_AGENT_ON_PATH = (
+    'if [ -f "$HOME/.local/bin/env" ]; then . "$HOME/.local/bin/env"; '
+    'else export PATH="$HOME/.local/bin:$PATH"; fi; command -v mini-swe-agent'
+)
+
+
+def register_local_sandbox() -> None:
+    from openenv.harbor import capabilities, rollout
+
+    # Harbor resolves `import_path` with importlib in this process, so the rig dir must be importable.
+    if str(RIG_DIR) not in sys.path:
+        sys.path.insert(0, str(RIG_DIR))
+
+    build = rollout.build_trial_config
+
+    def build_trial_config(*, sandbox: str, **kwargs):
+        if sandbox not in SANDBOXES:
+            return build(sandbox=sandbox, **kwargs)
+        config = build(sandbox=None, **kwargs)
+        config.environment.import_path = SANDBOXES[sandbox]
+        return config
+
+    rollout.build_trial_config = build_trial_config
+
+    check = capabilities.check_sandbox
+
+    def check_sandbox(name: str) -> capabilities.SandboxStatus:
+        if name not in SANDBOXES:
+            return check(name)
+        from local_sandbox import LocalSandbox
+
+        try:
+            LocalSandbox.preflight()
+        except SystemExit as exc:  # Harbor's preflight convention, as check_sandbox expects
+            return capabilities.SandboxStatus(name, False, str(exc))
+        return capabilities.SandboxStatus(name, True, "rig: namespaced local processes")
+
+    capabilities.check_sandbox = check_sandbox
+    # `capabilities()` binds its default sandbox tuple at definition time, so the default itself
+    # has to change; every caller (startup report, MCP tool, UI) goes through it.
+    listed = capabilities.capabilities.__kwdefaults__["sandboxes"]
+    capabilities.capabilities.__kwdefaults__["sandboxes"] = (*listed, *(n for n in SANDBOXES if n not in listed))
+
+
+def skip_preinstalled_agent_install() -> None:
+    from harbor.agents.installed.mini_swe_agent import MiniSweAgent
+
+    install = MiniSweAgent.install
+
+    async def install_unless_present(self, environment) -> None:
+        probe = await environment.exec(_AGENT_ON_PATH)
+        if probe.return_code != 0:
+            await install(self, environment)
+
+    MiniSweAgent.install = install_unless_present
+
+
+def main() -> None:
+    # Offline machine: otherwise Harbor's litellm import spends ~7 s retrying GitHub for a cost map.
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    register_local_sandbox()
+    skip_preinstalled_agent_install()
+    from openenv.cli.__main__ import main as openenv_main
+
+    sys.argv = ["openenv", "harbor", "serve", *sys.argv[1:]]
+    openenv_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""A tiny random Qwen3 causal LM and a locally trained tokenizer, built without the hub.
+
+    python tests/rig/tiny_model.py OUT_DIR     # no-op when OUT_DIR already holds this exact build
+
+The chat template is TRL's own `qwen3_instruct_2507` string, byte for byte: TRL recognises templates by string
+equality (`add_response_schema`, `get_training_chat_template`), so a look-alike would be rejected. The no-think
+variant is used because it renders a past assistant turn exactly as the model emitted it, which is what lets the
+stand-in engine's turn k+1 prompt ids extend turn k's prompt + completion ids.
+
+Token roles follow Qwen3: `<|im_start|>`, `<|im_end|>` (eos) and `<|endoftext|>` (pad) are special;
+`<tool_call>`, `</tool_call>`, `<tool_response>`, `</tool_response>`, `<think>`, `</think>` are added but NOT special,
+because vLLM detokenises with `skip_special_tokens=True` and the hermes tool parser must still see `<tool_call>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+EOS, PAD = "<|im_end|>", "<|endoftext|>"
+BPE_VOCAB = 1024
+SEED = 0
+# Hashed into the stamp, so editing this file invalidates old builds instead of silently reusing them.
+RECIPE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+STAMP = "rig_build.json"
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+# What the rig's conversations are made of: mini-swe-agent prompts, shell, JSON tool calls, the template's
+# scaffolding. Merges learnt here keep the sequences short; anything else still encodes, byte by byte.
+CORPUS = r"""
+You are a helpful assistant that can interact with a computer.
+Please solve this issue: write the answer to /app/answer.txt and then submit.
+You can execute bash commands and edit files to implement the necessary changes.
+Each response should include reasoning text and at least one bash tool call with your command.
+Submit your changes and finish your work by issuing the following command: `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`.
+Do not combine it with any other command. After this command, you cannot continue working on this task.
+Directory or environment variable changes are not persistent. Every action is executed in a new subshell.
+However, you can prefix any action with `MY_ENV_VAR=MY_VALUE cd /path/to/working/dir && ...` or write/load
+environment variables from files.
+## Recommended Workflow
+This workflow should be done step-by-step so that you can iterate on your changes and any possible problems.
+1. Analyze the codebase by finding and reading relevant files
+2. Create a script to reproduce the issue
+3. Edit the source code to resolve the issue
+4. Verify your fix works by running your script again
+5. Test edge cases to ensure your fix is robust
+## Command Execution Rules
+You are operating in an environment where you issue at least one command, the system executes the command(s)
+in a subshell, you see the result(s), and you write your next command(s).
+**CRITICAL REQUIREMENTS:** Your response SHOULD include reasoning text explaining what you're doing.
+Your response MUST include AT LEAST ONE bash tool call.
+Example of a CORRECT response: [Makes bash tool call with {"command": "ls -la"} as arguments]
+<system_information> Linux 6.8.0 x86_64 </system_information>
+## Useful command examples
+### Create a new file:
+### Edit files with sed:
+# Replace all occurrences
+# Replace only first occurrence on line 1
+# Replace all occurrences in lines 1-10
+sed -i '1s/old_string/new_string/' filename.py; sed -i '1,10s/old_string/new_string/g' filename.py
+### View file content:
+# View specific lines with numbers
+### Any other command you want to run
+anything
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{"type": "function", "function": {"name": "bash", "description": "Execute a bash command", "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "The bash command to execute"}}, "required": ["command"]}}}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": "bash", "arguments": {"command": "ls -la /app"}}
+</tool_call>
+<tool_call>
+{"name": "bash", "arguments": {"command": "mkdir -p /app && printf '%s\n' hello > /app/answer.txt"}}
+</tool_call>
+<tool_call>
+{"name": "bash", "arguments": {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}}
+</tool_call>
+<tool_response>
+{
+  "returncode": 0,
+  "output": "hello\n"
+}
+</tool_response>
+{"returncode": 1, "output": "cat: /app/answer.txt: No such file or directory\n"}
+cat /app/answer.txt; ls -la /app; cd /app && git status && git diff
+grep -rn "def main" src/ | head -20; sed -i 's/old_string/new_string/g' main.py
+python3 -c "print('hello world')"; echo $HOME; export PATH="$HOME/.local/bin:$PATH"
+nl -ba filename.py | sed -n '10,20p'; cat <<'EOF' > newfile.py
+import numpy as np
+hello = "world"
+print(hello)
+EOF
+The quick brown fox jumps over the lazy dog. The answer is correct, the task is done, the test passed.
+I need to understand the structure of the repository first. Let me check what files are in the directory.
+Reply with the single word: ok
+Use the bash tool to list the files in /tmp.
+rig-task: echo-hello rig-task: coin rig-task: never
+0 1 2 3 4 5 6 7 8 9 10 42 100 true false null [] {} "" ''
+"""
+
+
+def _train_tokenizer():
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    return tokenizer
+
+
+def _chat_template() -> str:
+    from trl.chat_template_utils import qwen3_instruct_2507_chat_template
+
+    return qwen3_instruct_2507_chat_template
+
+
+def is_built(out_dir) -> bool:
+    out = Path(out_dir)
+    try:
+        stamp = json.loads((out / STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    return stamp.get("recipe") == RECIPE and all((out / name).is_file() for name in FILES)
+
+
+def build(out_dir) -> Path:
+    """Build into `out_dir` unless it already holds this recipe's build; returns the directory."""
+    out = Path(out_dir)
+    if is_built(out):
+        return out
+    import torch
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / STAMP).unlink(missing_ok=True)  # the stamp is written last, so a crash mid-build reads as "not built"
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(),
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+        chat_template=_chat_template(),
+    )
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids([EOS, PAD])
+
+    torch.manual_seed(SEED)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32768,
+        # At the default 0.02 every logit is ~0 and the next-token distribution is flat, hence the same at every
+        # temperature: a test that an engine scoring at the wrong temperature shifts the importance ratio would
+        # see nothing. 0.2 spreads the logits (logprobs span a few nats) while keeping them finite and trainable.
+        initializer_range=0.2,
+        # Untied: TRL streams `named_parameters()`, which drops a tied lm_head, and the engine loads strictly.
+        tie_word_embeddings=False,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    # No sampling defaults: vLLM would adopt them as the server's default temperature/top_p/top_k.
+    model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / STAMP).write_text(json.dumps({"recipe": RECIPE, "vocab_size": len(tokenizer)}))
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/rig/tiny_model.py OUT_DIR")
+    print(build(sys.argv[1]))

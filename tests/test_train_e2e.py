@@ -1,0 +1,117 @@
+"""Training end to end on CPU: the real Harbor server, capture proxy, Harbor trial + verifier, mini-swe-agent,
+our session factory and TRL's real worker and trainer; only the engine, sandbox and CUDA pieces stand in."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from conftest import post_json, run_script
+from safetensors.torch import load_file
+
+TASKS = "echo-hello,coin,coin2,never"
+ROLLOUT = re.compile(r"\[harbor\] group (\d+) task (\d+) \(([\w-]+)\): (?:reward ([-\d.e]+)|unscorable)")
+
+
+def rollouts(stdout: str) -> list[tuple[int, str, float | None]]:
+    return [(int(g), name, float(r) if r else None) for g, _, name, r in ROLLOUT.findall(stdout)]
+
+
+def train_args(rig, out: Path, *extra: str) -> list[str]:
+    return [*rig.base_args(), "--tasks", TASKS, "--num-generations", "4", "--max-inflight", "4",
+            "--micro-batches-per-step", "1", "--max-staleness", "2", "--learning-rate", "1e-3",
+            "--temperature", "0.7", "--agent-step-limit", "6", "--agent-timeout", "60",
+            "--output-dir", str(out), "--run-name", "e2e", *extra]
+
+
+def log_history(out: Path) -> list[dict]:
+    latest = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return [e for e in json.loads((latest / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+
+@pytest.fixture(scope="module")
+def trained(rig, tmp_path_factory):
+    work = tmp_path_factory.mktemp("train")
+    before = len(rig.engine_stats()["chat"])
+    proc = run_script(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1"), cwd=work)
+    return proc, work / "out", rig, before
+
+
+def test_trains_three_steps_and_saves_the_model(trained):
+    proc, out, rig, _ = trained
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = log_history(out)
+    assert [e["step"] for e in steps] == [1, 2, 3]
+    assert all(math.isfinite(e["loss"]) for e in steps)
+    initial = load_file(rig.model_dir / "model.safetensors")
+    trained_weights = load_file(out / "model.safetensors")
+    changed = [name for name, w in initial.items() if not (trained_weights[name] == w).all()]
+    assert len(changed) == len(initial), f"unchanged parameters: {set(initial) - set(changed)}"
+
+
+def test_first_step_scores_exactly_what_the_engine_sampled(trained):
+    # The engine scores with the weights the trainer just pushed, at the temperature the proxy enforced: if tokens,
+    # logprobs and temperature line up, the first step's importance ratio is 1 and its KL 0.
+    proc, out, _, _ = trained
+    first = log_history(out)[0]
+    assert first["ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert abs(first["kl"]) < 1e-5
+
+
+def test_engine_sampled_at_the_trainers_temperature(trained):
+    proc, _, rig, before = trained
+    chats = rig.engine_stats()["chat"][before:]
+    agent_calls = [c for c in chats if c["script"] != "reply"]  # "reply": the proxy's own tool-less probes
+    assert agent_calls, "no agent call reached the engine"
+    assert {c["sampling"].get("temperature") for c in agent_calls} == {0.7}
+    assert {c["score_temperature"] for c in agent_calls} == {0.7}
+
+
+def test_groups_run_one_task_and_rewards_vary_within_a_group(trained):
+    proc, _, _, _ = trained
+    by_group = defaultdict(list)
+    for group, name, reward in rollouts(proc.stdout):
+        by_group[group].append((name, reward))
+    assert by_group, "no rollout finished"
+    assert all(len({name for name, _ in g}) == 1 for g in by_group.values()), by_group
+    varied = [g for g in by_group.values() if len({r for _, r in g if r is not None}) > 1]
+    assert varied, f"every group scored identically: {dict(by_group)}"
+
+
+def test_trainable_tokens_reach_the_loss(trained):
+    _, out, _, _ = trained
+    assert all(e.get("batch/trained_tokens", e.get("tokens/trained", 1)) > 0 for e in log_history(out))
+
+
+def test_rollout_child_exits_on_its_own(trained):
+    proc, _, _, _ = trained
+    assert "rollout worker exited on its own" in proc.stdout
+
+
+def test_server_gets_every_session_slot_back(trained):
+    _, _, rig, _ = trained
+    sessions = [post_json(f"{rig.harbor_url}/mcp", {"jsonrpc": "2.0", "id": i, "method": "openenv/session/create",
+                                                     "params": {}}) for i in range(rig.max_concurrent_envs)]
+    try:
+        assert all("result" in s for s in sessions), sessions
+    finally:
+        for s in sessions:
+            if "result" in s:
+                post_json(f"{rig.harbor_url}/mcp", {"jsonrpc": "2.0", "id": 0, "method": "openenv/session/close",
+                                                    "params": {"session_id": s["result"]["session_id"]}})
+
+
+def test_resume_continues_the_task_order(trained, tmp_path):
+    proc, out, rig, _ = trained
+    state = json.loads((out / "checkpoint-2" / "rollout_state.json").read_text())
+    resumed = run_script(train_args(rig, out, "--max-steps", "3", "--save-steps", "1",
+                                    "--resume", str(out / "checkpoint-2")), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    tasks = TASKS.split(",")
+    first_group = min(rollouts(resumed.stdout))
+    assert first_group[1] == tasks[state["prompt_index"] % len(tasks)]
+    assert [e["step"] for e in log_history(out)][-1] == 3
