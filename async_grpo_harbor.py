@@ -91,11 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Harbor dataset spec the server serves (HF repo, dir or name@version); selects the server "
                         "split. Default: 2,238 verified data-analysis tasks built for RL.")
     g.add_argument("--split", default="",
-                   help="Server split name, when it differs from --dataset. Empty: the split named like --dataset, "
-                        "else the server's only split.")
-    g.add_argument("--tasks", default="@tasks.txt",
+                   help="Server split name, when it differs from --dataset. Empty: the split named like --dataset "
+                        "(or, for the default dataset, the server's only split).")
+    g.add_argument("--tasks", default=f"@{Path(__file__).with_name('tasks.txt')}",
                    help="Tasks to train on, in this order: indices, ranges and task names (`0-49,57,hello-world`), "
-                        "or `@file` with one entry per line (`#` comments). Every entry must exist on the server.")
+                        "or `@file` with one entry per line (`#` comments). Every entry must exist on the server. "
+                        "Default: the tasks.txt shipped beside this script, for the default dataset.")
     g.add_argument("--harness", default="mini-swe-agent",
                    help="Agent harness the server runs in the sandbox; it owns its own loop.")
     g.add_argument("--sandbox", default="e2b",
@@ -379,8 +380,6 @@ class HarborSession(ResourceSession):
                 sampling=f.sampling,
             )
         except Exception as exc:  # noqa: BLE001 - any transport failure is this rollout's failure, judged below
-            if self._client.server_session.closed:
-                raise RuntimeError("rollout abandoned: training is stopping") from exc
             self.failure = f"harbor server call failed: {type(exc).__name__}: {exc}"
             return 1
         r = self.result
@@ -397,6 +396,8 @@ class HarborSession(ResourceSession):
         return 0 if self.failure is None else 1
 
     def fetch_training_trace(self) -> TrainingTrace:
+        if self._client.server_session.closed:
+            return TrainingTrace(turns=[])  # abandoned at stop: neither a sample nor a failure
         self._factory.record_outcome(self)
         if self.failure is not None:
             return TrainingTrace(turns=[])
@@ -548,7 +549,13 @@ def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict
             "--logprobs-mode processed_logprobs so the proxy gets token ids and processed logprobs")
 
     names = [s["name"] for s in splits]
-    split = args.split or (args.dataset if args.dataset in names else (names[0] if len(names) == 1 else ""))
+    if args.split:
+        split = args.split
+    elif args.dataset in names:
+        split = args.dataset
+    else:
+        # A server started on a local copy of the default suite names its split by path.
+        split = names[0] if len(names) == 1 and args.dataset == DEFAULT_DATASET else ""
     if split not in names:
         raise UsageError(f"the Harbor server does not serve {args.split or args.dataset!r}; it serves: "
                          f"{', '.join(names) or 'nothing'}. Start it with --dataset {args.dataset} or pass --split")

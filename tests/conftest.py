@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -161,3 +162,40 @@ def make_rig(tmp_path, tiny_model):
     yield make
     for r in rigs:
         r.stop()
+
+
+# ---- what a training run printed and wrote
+TASKS = "echo-hello,coin,coin2,never"
+ROLLOUT = re.compile(r"\[harbor\] group (\d+) task (\d+) \(([\w-]+)\): (?:reward ([-\d.e]+)|unscorable)")
+
+
+def rollouts(stdout: str) -> list[tuple[int, str, float | None]]:
+    return [(int(g), name, float(r) if r else None) for g, _, name, r in ROLLOUT.findall(stdout)]
+
+
+def train_args(rig: Rig, out: Path, *extra: str) -> list[str]:
+    return [*rig.base_args(), "--tasks", TASKS, "--num-generations", "4", "--max-inflight", "4",
+            "--micro-batches-per-step", "1", "--max-staleness", "2", "--learning-rate", "1e-3",
+            "--temperature", "0.7", "--agent-step-limit", "6", "--agent-timeout", "60",
+            "--output-dir", str(out), "--run-name", "e2e", *extra]
+
+
+def log_history(out: Path) -> list[dict]:
+    latest = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return [e for e in json.loads((latest / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+
+
+
+def assert_all_slots_free(rig: Rig) -> None:
+    """Every session slot of the Harbor server can be taken: no run left one attached."""
+    def rpc(method, **params):
+        return post_json(f"{rig.harbor_url}/mcp", {"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
+
+    sessions = [rpc("openenv/session/create") for _ in range(rig.max_concurrent_envs)]
+    try:
+        assert all("result" in s for s in sessions), sessions
+    finally:
+        for s in sessions:
+            if "result" in s:
+                rpc("openenv/session/close", session_id=s["result"]["session_id"])

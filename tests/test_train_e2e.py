@@ -5,39 +5,24 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from conftest import post_json, run_script
+from conftest import TASKS, assert_all_slots_free, log_history, rollouts, run_script, train_args
 from safetensors.torch import load_file
 
-TASKS = "echo-hello,coin,coin2,never"
-ROLLOUT = re.compile(r"\[harbor\] group (\d+) task (\d+) \(([\w-]+)\): (?:reward ([-\d.e]+)|unscorable)")
-
-
-def rollouts(stdout: str) -> list[tuple[int, str, float | None]]:
-    return [(int(g), name, float(r) if r else None) for g, _, name, r in ROLLOUT.findall(stdout)]
-
-
-def train_args(rig, out: Path, *extra: str) -> list[str]:
-    return [*rig.base_args(), "--tasks", TASKS, "--num-generations", "4", "--max-inflight", "4",
-            "--micro-batches-per-step", "1", "--max-staleness", "2", "--learning-rate", "1e-3",
-            "--temperature", "0.7", "--agent-step-limit", "6", "--agent-timeout", "60",
-            "--output-dir", str(out), "--run-name", "e2e", *extra]
-
-
-def log_history(out: Path) -> list[dict]:
-    latest = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    return [e for e in json.loads((latest / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+# Credentials a user has in the environment; none may surface in anything the run prints or writes.
+SECRETS = {"E2B_API_KEY": "e2b_fake_4f2a9c1d77", "HF_TOKEN": "hf_fake_8812bb0c3e", "OPENAI_API_KEY": "sk-fake-19e0aa"}
 
 
 @pytest.fixture(scope="module")
 def trained(rig, tmp_path_factory):
     work = tmp_path_factory.mktemp("train")
     before = len(rig.engine_stats()["chat"])
-    proc = run_script(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1"), cwd=work)
+    args = train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1", "--report-to", "trackio",
+                      "--project", "e2e")
+    proc = run_script(args, cwd=work, HF_HOME=str(work / "hf"), TRACKIO_DIR=str(work / "trackio"), **SECRETS)
     return proc, work / "out", rig, before
 
 
@@ -94,15 +79,16 @@ def test_rollout_child_exits_on_its_own(trained):
 
 def test_server_gets_every_session_slot_back(trained):
     _, _, rig, _ = trained
-    sessions = [post_json(f"{rig.harbor_url}/mcp", {"jsonrpc": "2.0", "id": i, "method": "openenv/session/create",
-                                                     "params": {}}) for i in range(rig.max_concurrent_envs)]
-    try:
-        assert all("result" in s for s in sessions), sessions
-    finally:
-        for s in sessions:
-            if "result" in s:
-                post_json(f"{rig.harbor_url}/mcp", {"jsonrpc": "2.0", "id": 0, "method": "openenv/session/close",
-                                                    "params": {"session_id": s["result"]["session_id"]}})
+    assert_all_slots_free(rig)
+
+
+def test_no_secret_reaches_output_logs_or_trackio(trained):
+    proc, out, _, _ = trained
+    written = [p for p in out.parent.rglob("*") if p.is_file()]
+    assert any("trackio" in str(p) for p in written), "trackio wrote nothing"
+    for value in SECRETS.values():
+        assert value not in proc.stdout + proc.stderr
+        assert not [p for p in written if value.encode() in p.read_bytes()]
 
 
 def test_resume_continues_the_task_order(trained, tmp_path):

@@ -1,0 +1,99 @@
+"""What a two-day run meets: a sandbox backend that goes down, a SIGTERM, an engine that scores differently."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPT, assert_all_slots_free, log_history, rollouts, run_script, script_env, train_args
+
+
+def test_all_failing_rollouts_stop_training_with_the_reason(rig, tmp_path):
+    proc = run_script(train_args(rig, tmp_path / "out", "--sandbox", "local-down", "--max-steps", "3",
+                                 "--max-consecutive-failures", "6"), cwd=tmp_path, timeout=600)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    # Rollouts in flight when the sixth failed may be counted too.
+    assert re.match(r"error: training stopped: ([6-9]|\d\d) consecutive rollouts were unscorable", last), last
+    assert "sandbox backend unreachable" in last and "--resume" in last
+    assert all(reward is None for _, _, reward in rollouts(proc.stdout))
+    assert_all_slots_free(rig)
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("whole_group", [False, True], ids=["trainer-only", "process-group"])
+def test_sigterm_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, whole_group):
+    # trainer-only: `kill <pid>`, which used to orphan the rollout child (it went on starting rollouts).
+    # process-group: what SLURM and Ctrl-C do; the child must not die before it released its server sessions.
+    args = train_args(rig, tmp_path / "out", "--max-steps", "50")
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=script_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[harbor] group"):
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert started.wait(300), "".join(lines)[-3000:]
+        time.sleep(2)  # the next rollouts are now in flight
+        family = descendants(proc.pid)
+        assert family, "no rollout child"
+        if whole_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        reader.join(timeout=10)
+        survivors = [pid for pid in family if alive(pid)]
+        assert not survivors, f"left behind: {survivors}\n" + "".join(lines)[-3000:]
+        assert "Traceback" not in "".join(lines)
+        assert_all_slots_free(rig)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_an_engine_scoring_at_another_temperature_moves_ratio_and_kl(make_rig, tmp_path):
+    # The control for the exact ratio of 1 in the training test: the same run against an engine that samples at
+    # T but reports logprobs at T + 0.3 must show it.
+    skewed = make_rig("--score-temperature-offset", "0.3")
+    proc = run_script(train_args(skewed, tmp_path / "out", "--max-steps", "1", "--save-steps", "1"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = log_history(tmp_path / "out")[0]
+    assert abs(first["ratio"] - 1.0) > 1e-3 or first["kl"] > 1e-4, first

@@ -1,0 +1,75 @@
+"""A setup that would train on nothing is refused before any weights load: one line saying what is wrong and what
+to do, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import free_port, run_script
+
+
+def assert_refused(proc, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+    assert "async_grpo_harbor\n" not in proc.stdout, "training set-up started"
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--num-generations", "1"], ["--num-generations must be >= 2"]),
+    (["--num-generations", "8", "--max-inflight", "4"], ["--max-inflight (4) must be >= --num-generations (8)"]),
+    (["--temperature", "0"], ["--temperature must be > 0"]),
+    (["--agent-step-limit", "-3"], ["--agent-step-limit must be >= 1"]),
+])
+def test_impossible_settings(tmp_path, args, needles):
+    assert_refused(run_script(args, cwd=tmp_path), *needles)
+
+
+def test_unreachable_vllm_names_the_url_and_the_command(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert_refused(run_script(["--vllm-url", url], cwd=tmp_path), url, "vllm serve")
+
+
+def test_unreachable_harbor_server(rig, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert_refused(run_script([*rig.base_args(), "--harbor-url", url], cwd=tmp_path), url, "openenv harbor serve")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--harness", "mini-swe-agnt"], ["unknown harness 'mini-swe-agnt'", "this server has: mini-swe-agent,"]),
+    (["--sandbox", "locl"], ["unknown sandbox 'locl'", "this server has: local,"]),
+    (["--tasks", "coin,coin3"], ["--tasks: no task named 'coin3'", "did you mean coin"]),
+    (["--tasks", "0-2,9"], ["--tasks: task index 9 is out of range", "4 tasks"]),
+    (["--tasks", "@missing.txt"], ["cannot read missing.txt"]),
+    (["--dataset", "some/other-suite"], ["does not serve 'some/other-suite'"]),
+])
+def test_unknown_names_are_refused_with_the_valid_ones(rig, tmp_path, args, needles):
+    assert_refused(run_script([*rig.base_args(), *args], cwd=tmp_path), *needles)
+
+
+def test_task_file_errors_name_the_line(rig, tmp_path):
+    (tmp_path / "tasks.txt").write_text("# curated\ncoin\necho-hello  # always solved\n5\n")
+    proc = run_script([*rig.base_args(), "--tasks", "@tasks.txt"], cwd=tmp_path)
+    assert_refused(proc, "tasks.txt:4: task index 5 is out of range")
+
+
+def test_output_dir_of_another_run_needs_resume(rig, tmp_path):
+    (tmp_path / "out" / "checkpoint-7").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoint-7" / "trainer_state.json").write_text("{}")
+    proc = run_script([*rig.base_args(), "--tasks", "coin", "--output-dir", "out"], cwd=tmp_path)
+    assert_refused(proc, "already holds checkpoints", "--resume")
+    assert (tmp_path / "out" / "checkpoint-7" / "trainer_state.json").read_text() == "{}"
+
+
+def test_resume_without_checkpoint_says_what_it_looked_for(rig, tmp_path):
+    proc = run_script([*rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--resume"], cwd=tmp_path)
+    assert_refused(proc, "no checkpoint-N/trainer_state.json in out")
+
+
+def test_engine_without_token_ids_is_refused(make_rig, tmp_path):
+    # Such an engine makes the proxy refuse every agent call: each rollout would burn its whole agent timeout
+    # before returning reward 0 with no trainable turn.
+    eval_rig = make_rig("--no-token-ids")
+    proc = run_script([*eval_rig.base_args(), "--tasks", "coin"], cwd=tmp_path)
+    assert_refused(proc, "--return-tokens-as-token-ids", "--logprobs-mode processed_logprobs")
