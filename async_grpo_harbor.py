@@ -19,17 +19,19 @@ scores the workspace. This script turns each rollout into a GRPO sample and trai
 Run it (three terminals; see README.md for the full walk-through):
 
     # 1. the policy server (GPU 0)
-    VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 \
+    VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 --max-model-len 32768 \
         --enable-auto-tool-choice --tool-call-parser hermes \
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"nccl"}'
 
-    # 2. the Harbor server: one long-lived server, harness / sandbox / task are chosen per rollout
-    MAX_CONCURRENT_ENVS=64 openenv harbor serve --dataset AdithyaSK/data_agent_rl_environment_train \
+    # 2. the Harbor server: one long-lived server, harness / sandbox / task are chosen per rollout; it starts the
+    #    sandboxes, so the sandbox credentials go here. Session slots >= 2 x --max-inflight.
+    MAX_CONCURRENT_ENVS=32 E2B_API_KEY=... HF_TOKEN=... openenv harbor serve \
+        --dataset AdithyaSK/data_agent_rl_environment_train \
         --host 127.0.0.1 --port 8001 --expose direct --llm-url http://localhost:8000/v1
 
     # 3. train (GPU 1)
-    E2B_API_KEY=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
+    uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
         --vllm-url http://localhost:8000 --harbor-url http://localhost:8001 --tasks @tasks.txt
 
     # resume the latest checkpoint of that run (same --run-name or --output-dir)
@@ -283,26 +285,28 @@ class HarborServerSession:
         self.session_id: str | None = None
         self.closed = False
 
-    def _rpc(self, method: str, params: dict[str, Any], conn: http.client.HTTPConnection) -> Any:
-        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
-        conn.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
-        reply = json.loads(conn.getresponse().read() or b"{}")
-        if reply.get("error"):
-            raise RuntimeError(f"harbor server: {method}: {reply['error'].get('message', reply['error'])}")
-        return reply.get("result")
-
-    def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
+    def _rpc(self, method: str, params: dict[str, Any]) -> Any:
         with self._lock:
             if self.closed:
                 raise RuntimeError("session closed")
             self._conn = conn = self._connect()
         try:
-            if self.session_id is None:
-                self.session_id = self._rpc("openenv/session/create", {}, conn)["session_id"]
-            return self._rpc("tools/call", {"name": name, "arguments": arguments, "session_id": self.session_id},
-                             conn)
+            body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
+            conn.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
+            reply = json.loads(conn.getresponse().read() or b"{}")
         finally:
             conn.close()
+        if reply.get("error"):
+            raise RuntimeError(f"harbor server: {method}: {reply['error'].get('message', reply['error'])}")
+        return reply.get("result")
+
+    def open(self) -> None:
+        if self.session_id is None:
+            self.session_id = self._rpc("openenv/session/create", {})["session_id"]
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
+        self.open()
+        return self._rpc("tools/call", {"name": name, "arguments": arguments, "session_id": self.session_id})
 
     def close(self) -> None:
         with self._lock:
@@ -318,9 +322,12 @@ class HarborServerSession:
         if self.session_id is not None:
             closer = self._connect(timeout=10)
             try:
-                self._rpc("openenv/session/close", {"session_id": self.session_id}, closer)
-            except (OSError, RuntimeError, ValueError):
-                pass  # the server is gone or already dropped the session: either way the slot is free
+                body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "openenv/session/close",
+                                   "params": {"session_id": self.session_id}})
+                closer.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
+                closer.getresponse().read()
+            except OSError:
+                pass  # the server is gone: its slots went with it
             finally:
                 closer.close()
 
@@ -381,6 +388,8 @@ class HarborSession(ResourceSession):
             )
         except Exception as exc:  # noqa: BLE001 - any transport failure is this rollout's failure, judged below
             self.failure = f"harbor server call failed: {type(exc).__name__}: {exc}"
+            if "capacity" in str(exc):
+                self.failure += " (raise MAX_CONCURRENT_ENVS on the Harbor server to >= 2 x --max-inflight)"
             return 1
         r = self.result
         fatal = next((x for x in r.findings if "[FATAL" in x), None)
@@ -548,6 +557,8 @@ def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict
             f"{llm.get('capture_level') or 'unknown'}): vLLM must run with --return-tokens-as-token-ids and "
             "--logprobs-mode processed_logprobs so the proxy gets token ids and processed logprobs")
 
+    check_session_capacity(args.harbor_url, args.max_inflight)
+
     names = [s["name"] for s in splits]
     if args.split:
         split = args.split
@@ -563,6 +574,21 @@ def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict
     tasks = resolve_tasks(read_task_spec(args.tasks), catalogue)
     llm["max_model_len"] = served.get("max_model_len")
     return split, tasks, llm
+
+
+def check_session_capacity(harbor_url: str, needed: int) -> None:
+    """Take and release as many server sessions as rollouts will run at once: a short server fails every rollout."""
+    sessions = [HarborServerSession(harbor_url, timeout_s=30) for _ in range(needed)]
+    try:
+        for opened, session in enumerate(sessions):
+            session.open()
+    except (OSError, RuntimeError) as exc:
+        raise UsageError(f"the Harbor server has only {opened} free session slots of the {needed} that "
+                         f"--max-inflight needs ({exc}); restart it with MAX_CONCURRENT_ENVS={2 * needed} (twice "
+                         "--max-inflight leaves room for a previous run's sessions)") from None
+    finally:
+        for session in sessions:
+            session.close()
 
 
 def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:

@@ -43,6 +43,8 @@ def test_unreachable_harbor_server(rig, tmp_path):
     (["--tasks", "0-2,9"], ["--tasks: task index 9 is out of range", "4 tasks"]),
     (["--tasks", "@missing.txt"], ["cannot read missing.txt"]),
     (["--dataset", "some/other-suite"], ["does not serve 'some/other-suite'"]),
+    (["--max-inflight", "9", "--num-generations", "2"], ["only 8 free session slots of the 9",
+                                                         "MAX_CONCURRENT_ENVS=18"]),
 ])
 def test_unknown_names_are_refused_with_the_valid_ones(rig, tmp_path, args, needles):
     assert_refused(run_script([*rig.base_args(), *args], cwd=tmp_path), *needles)

@@ -69,7 +69,7 @@ def test_groups_run_one_task_and_rewards_vary_within_a_group(trained):
 
 def test_trainable_tokens_reach_the_loss(trained):
     _, out, _, _ = trained
-    assert all(e.get("batch/trained_tokens", e.get("tokens/trained", 1)) > 0 for e in log_history(out))
+    assert all(e["batch/trained_tokens_per_step"] > 0 for e in log_history(out))
 
 
 def test_rollout_child_exits_on_its_own(trained):
