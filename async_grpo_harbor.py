@@ -44,6 +44,7 @@ import argparse
 import difflib
 import functools
 import http.client
+import itertools
 import json
 import multiprocessing
 import os
@@ -69,6 +70,7 @@ from openenv.harbor.contract import to_training_trace
 from openenv.harbor.models import HarborRolloutResult
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
+DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -95,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split", default="",
                    help="Server split name, when it differs from --dataset. Empty: the split named like --dataset "
                         "(or, for the default dataset, the server's only split).")
-    g.add_argument("--tasks", default=f"@{Path(__file__).with_name('tasks.txt')}",
+    g.add_argument("--tasks", default=DEFAULT_TASKS,
                    help="Tasks to train on, in this order: indices, ranges and task names (`0-49,57,hello-world`), "
                         "or `@file` with one entry per line (`#` comments). Every entry must exist on the server. "
                         "Default: the tasks.txt shipped beside this script, for the default dataset.")
@@ -129,9 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0,
                    help="Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
     g.add_argument("--max-completion-length", type=int, default=4096,
-                   help="Tokens per model call (a turn), for the trainer's length bookkeeping.")
-    g.add_argument("--learning-rate", type=float, default=1e-6, help="AdamW learning rate (constant schedule).")
-    g.add_argument("--max-steps", type=int, default=500, help="Optimizer steps to train.")
+                   help="Tokens per model call (a turn) the trainer expects, for its truncation metric only: the "
+                        "harness's own loop is capped by the Harbor server's --max-output-tokens.")
+    g.add_argument("--learning-rate", type=float, default=1e-6,
+                   help="AdamW learning rate, constant: the number of rollouts per step varies with their length, "
+                        "so a decay horizon in steps means little.")
+    g.add_argument("--max-steps", type=int, default=500,
+                   help="Optimizer steps to train; the run's only stop condition (tasks are cycled).")
     g.add_argument("--efficiency-weight", type=float, default=0.1,
                    help="Bonus for solving with fewer agent turns, as a fraction of the task reward (0 disables). "
                         "Only solved rollouts get it, so it never rewards giving up early.")
@@ -145,9 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-name", default="",
                    help="Empty: <model>-<harness>-<sandbox>-<SLURM_JOB_ID, else UTC time + random suffix>, so "
                         "relaunches never write over each other while a requeued SLURM job keeps its name.")
-    g.add_argument("--project", default="async-grpo-harbor", help="trackio project.")
-    g.add_argument("--report-to", default="trackio", help="Where metrics go: trackio, none, or any HF integration.")
-    g.add_argument("--save-steps", type=int, default=50, help="Optimizer steps between checkpoints.")
+    g.add_argument("--project", default="async-grpo-harbor",
+                   help="trackio project, so runs on one suite compare side by side.")
+    g.add_argument("--report-to", default="trackio",
+                   help="Where metrics go: trackio (local, no account needed), none, or any HF integration.")
+    g.add_argument("--save-steps", type=int, default=50,
+                   help="Optimizer steps between checkpoints: what a crash or preemption can lose.")
     g.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="Resume trainer state and task position: bare `--resume` takes the latest checkpoint in the "
                         "output dir; or give a checkpoint path.")
@@ -189,12 +198,17 @@ def print_table(title: str, rows: dict[str, Any]) -> None:
     print(f"\n{title}\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items()) + "\n", flush=True)
 
 
+# Shapes of the credentials our users carry (HF, OpenAI-style, E2B), for text that comes from the Harbor server,
+# whose environment we cannot see.
+SECRET_SHAPES = re.compile(r"\b(hf_|sk-|e2b_)[A-Za-z0-9_-]{8,}")
+
+
 def redact(text: str) -> str:
-    """Blank out the value of every secret-looking environment variable, so no message we print leaks one."""
+    """Blank out secret-looking environment values and token shapes, so no message we print leaks a credential."""
     for name, value in os.environ.items():
         if len(value) >= 6 and re.search(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", name, re.I):
             text = text.replace(value, f"<{name}>")
-    return text
+    return SECRET_SHAPES.sub(lambda m: f"{m[1]}<redacted>", text)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -281,55 +295,78 @@ class HarborServerSession:
         self._connect = functools.partial(conn_cls, url.hostname, url.port, timeout=timeout_s)
         self._prefix = url.path.rstrip("/")
         self._lock = threading.Lock()
-        self._conn: http.client.HTTPConnection | None = None
+        self._waiting: http.client.HTTPConnection | None = None
         self.session_id: str | None = None
         self.closed = False
+        self.closed_event = threading.Event()
 
-    def _rpc(self, method: str, params: dict[str, Any]) -> Any:
-        with self._lock:
-            if self.closed:
-                raise RuntimeError("session closed")
-            self._conn = conn = self._connect()
-        try:
-            body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
-            conn.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
-            reply = json.loads(conn.getresponse().read() or b"{}")
-        finally:
-            conn.close()
+    def _post(self, conn: http.client.HTTPConnection, method: str, params: dict[str, Any]) -> Any:
+        conn.connect()
+        # A rollout is one request that stays silent for minutes; without keepalive a NAT or load balancer on the
+        # way drops it unseen and the thread waits out the whole timeout.
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+            if hasattr(socket, option):
+                conn.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
+        conn.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
+        reply = json.loads(conn.getresponse().read() or b"{}")
         if reply.get("error"):
             raise RuntimeError(f"harbor server: {method}: {reply['error'].get('message', reply['error'])}")
         return reply.get("result")
 
+    def _call_once(self, method: str, params: dict[str, Any], interruptible: bool) -> Any:
+        conn = self._connect()
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("session closed")
+            if interruptible:
+                self._waiting = conn
+        try:
+            return self._post(conn, method, params)
+        finally:
+            with self._lock:
+                self._waiting = None
+            conn.close()
+
     def open(self) -> None:
-        if self.session_id is None:
-            self.session_id = self._rpc("openenv/session/create", {})["session_id"]
+        if self.session_id is not None:
+            return
+        session_id = self._call_once("openenv/session/create", {}, interruptible=False)["session_id"]
+        with self._lock:
+            self.session_id = session_id
+            closed = self.closed
+        if closed:  # close() ran while the slot was being created: it could not release what it did not know
+            self._release()
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
         self.open()
-        return self._rpc("tools/call", {"name": name, "arguments": arguments, "session_id": self.session_id})
+        return self._call_once("tools/call", {"name": name, "arguments": arguments, "session_id": self.session_id},
+                               interruptible=True)
 
     def close(self) -> None:
         with self._lock:
             if self.closed:
                 return
             self.closed = True
-            conn = self._conn
-        if conn is not None and conn.sock is not None:
+            waiting, session_id = self._waiting, self.session_id
+        self.closed_event.set()
+        if waiting is not None and waiting.sock is not None:
             try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
+                waiting.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        if self.session_id is not None:
-            closer = self._connect(timeout=10)
-            try:
-                body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "openenv/session/close",
-                                   "params": {"session_id": self.session_id}})
-                closer.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
-                closer.getresponse().read()
-            except OSError:
-                pass  # the server is gone: its slots went with it
-            finally:
-                closer.close()
+        if session_id is not None:
+            self._release()
+
+    def _release(self) -> None:
+        conn = self._connect(timeout=10)
+        try:
+            self._post(conn, "openenv/session/close", {"session_id": self.session_id})
+        except (OSError, RuntimeError, ValueError):
+            pass  # the server is gone (its slots went with it) or already dropped the session
+        finally:
+            conn.close()
 
 
 class HarborRolloutClient(HarborEnv):
@@ -380,17 +417,26 @@ class HarborSession(ResourceSession):
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         f = self._factory
-        try:
-            self.result = self._client.run_rollout(
-                split=self._split, task_index=self._task_index, harness=f.harness, sandbox=f.sandbox,
-                reward_key=f.reward_key, agent_timeout_sec=f.agent_timeout_s, agent_step_limit=f.agent_step_limit,
-                sampling=f.sampling,
-            )
-        except Exception as exc:  # noqa: BLE001 - any transport failure is this rollout's failure, judged below
-            self.failure = f"harbor server call failed: {type(exc).__name__}: {exc}"
-            if "capacity" in str(exc):
-                self.failure += " (raise MAX_CONCURRENT_ENVS on the Harbor server to >= 2 x --max-inflight)"
-            return 1
+        # A Harbor server restart or a full server must not burn through --max-consecutive-failures in a second:
+        # transport failures are retried for a while before this rollout counts as failed.
+        deadline = time.monotonic() + f.transport_retry_s
+        for attempt in itertools.count():
+            try:
+                self.result = self._client.run_rollout(
+                    split=self._split, task_index=self._task_index, harness=f.harness, sandbox=f.sandbox,
+                    reward_key=f.reward_key, agent_timeout_sec=f.agent_timeout_s,
+                    agent_step_limit=f.agent_step_limit, sampling=f.sampling,
+                )
+                break
+            except Exception as exc:  # noqa: BLE001 - any transport failure is this rollout's failure, judged below
+                self.failure = f"harbor server call failed: {type(exc).__name__}: {exc}"
+                if "capacity" in str(exc):
+                    self.failure += " (raise MAX_CONCURRENT_ENVS on the Harbor server to >= 2 x --max-inflight)"
+                retryable = isinstance(exc, OSError) or "capacity" in str(exc)
+                if not retryable or self._client.server_session.closed or time.monotonic() > deadline:
+                    return 1
+                self._client.server_session.closed_event.wait(min(2.0 ** attempt, 30.0))
+        self.failure = None
         r = self.result
         fatal = next((x for x in r.findings if "[FATAL" in x), None)
         if not r.ok:
@@ -407,10 +453,14 @@ class HarborSession(ResourceSession):
     def fetch_training_trace(self) -> TrainingTrace:
         if self._client.server_session.closed:
             return TrainingTrace(turns=[])  # abandoned at stop: neither a sample nor a failure
+        if self.failure is None:
+            try:
+                trace = to_training_trace(self.result)
+            except (ValueError, TypeError, KeyError) as exc:
+                # One malformed capture is this rollout's problem, not the run's: TRL stops its worker on any of these.
+                self.failure = f"capture rejected: {exc}"
         self._factory.record_outcome(self)
-        if self.failure is not None:
-            return TrainingTrace(turns=[])
-        return to_training_trace(self.result)
+        return TrainingTrace(turns=[]) if self.failure is not None else trace
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
         if self.failure is not None or self.result is None:
@@ -441,6 +491,7 @@ class HarborSessionFactory(ResourceSessionFactory):
         self.agent_timeout_s = agent_timeout_s
         # A rollout is bounded by the agent timeout plus sandbox setup and verification.
         self.request_timeout_s = (agent_timeout_s or 3600.0) + 1800.0
+        self.transport_retry_s = 300.0
         self.max_consecutive_failures = max_consecutive_failures
         self.sampling = dict(sampling or {})
         self._lock = threading.Lock()
@@ -518,6 +569,24 @@ def harbor_reward(outcome: Any, *, step_limit: int, efficiency_weight: float) ->
 # ----------------------------------------------------------------------------------------------------------------------
 # Preflight: refuse a setup that would train on nothing, before loading any weights
 # ----------------------------------------------------------------------------------------------------------------------
+def closest_first(name: str, choices: Any) -> list[str]:
+    return difflib.get_close_matches(name, list(choices), n=len(choices), cutoff=0)
+
+
+def harbor_environment_types() -> set[str]:
+    """Sandbox types Harbor itself knows; the server advertises (and credential-checks) only a few of them."""
+    try:
+        from harbor.models.environment_type import EnvironmentType
+    except ImportError:
+        return set()
+    return {t.value for t in EnvironmentType}
+
+
+def endpoint(url: str) -> tuple[str | None, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return {"localhost": "127.0.0.1"}.get(parts.hostname, parts.hostname), parts.port
+
+
 def http_json(url: str, timeout: float = 10.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as reply:
         return json.loads(reply.read())
@@ -539,16 +608,22 @@ def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict
     finally:
         client.close()
 
-    harnesses = [h["name"] for h in caps.get("harnesses", [])]
-    if args.harness not in harnesses and ":" not in args.harness:
-        close = difflib.get_close_matches(args.harness, harnesses, n=len(harnesses), cutoff=0) or harnesses
-        raise UsageError(f"unknown harness {args.harness!r}; this server has: {', '.join(close)}")
+    harnesses = {h["name"]: h for h in caps.get("harnesses", [])}
+    harness = harnesses.get(args.harness)
+    if harness is None and ":" not in args.harness:  # `module:Class` is a custom harness the server imports
+        raise UsageError(f"unknown harness {args.harness!r}; this server has: "
+                         f"{', '.join(closest_first(args.harness, harnesses))}")
+    if harness and harness.get("status", "").split(":")[0] in ("blocked", "unsupported"):
+        raise UsageError(f"harness {args.harness!r} cannot run on this server: {harness['status']}")
     sandboxes = {s["name"]: s for s in caps.get("sandboxes", [])}
     box = sandboxes.get(args.sandbox)
-    if box is None:
-        close = difflib.get_close_matches(args.sandbox, list(sandboxes), n=len(sandboxes), cutoff=0)
-        raise UsageError(f"unknown sandbox {args.sandbox!r}; this server has: {', '.join(close)}")
-    if not box.get("available"):
+    if box is None and args.sandbox in harbor_environment_types():
+        print(f"warning: the Harbor server does not advertise sandbox {args.sandbox!r}, so its credentials could not "
+              "be checked before training", file=sys.stderr)
+    elif box is None:
+        raise UsageError(f"unknown sandbox {args.sandbox!r}; this server has: "
+                         f"{', '.join(closest_first(args.sandbox, sandboxes))}")
+    elif not box.get("available"):
         raise UsageError(f"sandbox {args.sandbox!r} is not usable on the Harbor server: {box.get('detail', '')}")
     llm = caps.get("llm") or {}
     if llm.get("capture_level") != "tokens" or not llm.get("ok", True):
@@ -558,6 +633,10 @@ def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict
             "--logprobs-mode processed_logprobs so the proxy gets token ids and processed logprobs")
 
     check_session_capacity(args.harbor_url, args.max_inflight)
+
+    if endpoint(llm.get("url", "")) != endpoint(args.vllm_url):
+        print(f"warning: the Harbor server samples from {llm.get('url')} but weights go to {args.vllm_url}; if they "
+              "are not the same server, training is off-policy", file=sys.stderr)
 
     names = [s["name"] for s in splits]
     if args.split:
@@ -570,6 +649,12 @@ def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict
     if split not in names:
         raise UsageError(f"the Harbor server does not serve {args.split or args.dataset!r}; it serves: "
                          f"{', '.join(names) or 'nothing'}. Start it with --dataset {args.dataset} or pass --split")
+    served = next(s for s in splits if s["name"] == split)
+    if served.get("error"):
+        raise UsageError(f"the Harbor server could not load {split!r}: {served['error']}")
+    if args.tasks == DEFAULT_TASKS and split != DEFAULT_DATASET and args.dataset != DEFAULT_DATASET:
+        raise UsageError(f"--tasks: the default task list is for {DEFAULT_DATASET}; give the tasks of "
+                         f"{split!r} (e.g. --tasks 0-99)")
     catalogue = fetch_catalogue(args.harbor_url, split)
     tasks = resolve_tasks(read_task_spec(args.tasks), catalogue)
     llm["max_model_len"] = served.get("max_model_len")
@@ -671,6 +756,20 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     class HarborRolloutWorker(HarnessRolloutWorker):
         stop = stop_rollout_worker
 
+    class HarborGRPOTrainer(AsyncGRPOTrainer):
+        def _save_checkpoint(self, model, trial):
+            super()._save_checkpoint(model, trial)
+            # TRL resumes at the first group it never trained. A group that yields no sample (every rollout of a
+            # broken task failed) is never trained, so each later resume would restart there and replay everything
+            # after it; resume after the last trained group instead.
+            state_file = (Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+                          / "rollout_state.json")
+            if self.accelerator.is_main_process and state_file.is_file() and self._trained_groups:
+                state = json.loads(state_file.read_text())
+                start = self.rollout_worker._loop_kwargs["dataset_start_index"]
+                state["prompt_index"] = start + max(self._trained_groups) + 1
+                state_file.write_text(json.dumps(state))
+
     config = AsyncGRPOConfig(
         output_dir=args.output_dir, run_name=args.run_name, project=args.project, report_to=args.report_to,
         learning_rate=args.learning_rate, max_steps=args.max_steps, save_steps=args.save_steps,
@@ -702,7 +801,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit,
                                             efficiency_weight=args.efficiency_weight),
     )
-    return AsyncGRPOTrainer(model=args.model, args=config, train_dataset=Dataset.from_list(task_rows(tasks, split)),
+    return HarborGRPOTrainer(model=args.model, args=config, train_dataset=Dataset.from_list(task_rows(tasks, split)),
                             processing_class=tokenizer, rollout_worker=worker)
 
 

@@ -25,6 +25,9 @@ SCRIPT = ROOT / "async_grpo_harbor.py"
 SERVED_NAME = "tiny-qwen3"
 # Solve probabilities of the stand-in engine's scripted policy: one task always solved, one never, two sometimes.
 POLICY = {"tasks": {"echo-hello": 1.0, "never": 0.0, "coin": 0.5, "coin2": 0.5}, "answers": {"echo-hello": "hello"}}
+# Credentials users hold; the trainer and the Harbor server get them, and nothing the run prints or writes may
+# show them.
+SECRETS = {"E2B_API_KEY": "e2b_fake4f2a9c1d77", "HF_TOKEN": "hf_fake8812bb0c3e", "OPENAI_API_KEY": "sk-fake19e0aa77"}
 # A rollout here is ~1.2k tokens, mostly the shared system prompt; TRL packs samples by unique tokens up to
 # max_model_len, so a small context closes a micro-batch every few samples.
 MAX_MODEL_LEN = 1600
@@ -103,8 +106,8 @@ class Rig:
                               "--host", "127.0.0.1", "--port", str(harbor_port), "--capture-port", str(free_port()),
                               "--expose", "direct"],
             workdir / "harbor.log", f"{self.harbor_url}/harbor_env/splits",
-            env={"MAX_CONCURRENT_ENVS": str(max_concurrent_envs), "RIG_SANDBOX_DIR": str(workdir / "sandboxes"),
-                 "OPENENV_HARBOR_TRIALS_DIR": str(workdir / "trials")},
+            env={**SECRETS, "MAX_CONCURRENT_ENVS": str(max_concurrent_envs),
+                 "RIG_SANDBOX_DIR": str(workdir / "sandboxes"), "OPENENV_HARBOR_TRIALS_DIR": str(workdir / "trials")},
             cwd=workdir)
         self.harbor.wait_ready()
         self.split = get_json(f"{self.harbor_url}/harbor_env/splits")[0]["name"]
@@ -115,6 +118,7 @@ class Rig:
     def base_args(self) -> list[str]:
         return ["--model", str(self.model_dir), "--vllm-url", self.engine_url, "--harbor-url", self.harbor_url,
                 "--dataset", self.split, "--harness", "mini-swe-agent", "--sandbox", "local",
+                "--num-generations", "4", "--max-inflight", "4",
                 "--reward-key", "correct,reward", "--report-to", "none"]
 
     def stop(self) -> None:
@@ -180,9 +184,11 @@ def train_args(rig: Rig, out: Path, *extra: str) -> list[str]:
             "--output-dir", str(out), "--run-name", "e2e", *extra]
 
 
-def log_history(out: Path) -> list[dict]:
-    latest = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    return [e for e in json.loads((latest / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+def log_history(out: Path, step: int | None = None) -> list[dict]:
+    """Per-optimizer-step metrics, as saved with the checkpoint of `step` (default: the latest)."""
+    checkpoint = out / f"checkpoint-{step}" if step else max(out.glob("checkpoint-*"),
+                                                               key=lambda p: int(p.name.split("-")[1]))
+    return [e for e in json.loads((checkpoint / "trainer_state.json").read_text())["log_history"] if "loss" in e]
 
 
 
