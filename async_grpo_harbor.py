@@ -809,12 +809,13 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
 # Main
 # ----------------------------------------------------------------------------------------------------------------------
 def _raise_on_sigterm(signum, frame):
-    # Unwinding through trainer.train() runs TRL's cleanup: without it the rollout child is orphaned and keeps
-    # starting sandboxes.
+    # Unwinding runs every cleanup on the way out: TRL's (without it the rollout child is orphaned and keeps starting
+    # sandboxes) and ours (server sessions held by the preflight).
     raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         args = parse_args(argv)
         resume = resolve_resume(args)
@@ -838,7 +839,6 @@ def main(argv: list[str] | None = None) -> int:
         "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
         "report to": f"{args.report_to} (project {args.project})",
     })
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
     trainer = build_trainer(args, split, tasks)
     try:
         trainer.train(resume_from_checkpoint=resume)
@@ -846,7 +846,8 @@ def main(argv: list[str] | None = None) -> int:
         cause = str(exc.__cause__ or exc)
         if ROLLOUTS_FAILING in cause:
             reason = cause.split(ROLLOUTS_FAILING, 1)[1].splitlines()[0].strip()
-            print(f"error: training stopped: {reason}. Fix the cause, then relaunch with --resume.", file=sys.stderr)
+            print(f"error: training stopped: {reason}. Fix the cause, then relaunch with --output-dir "
+                  f"{args.output_dir} --resume", file=sys.stderr)
             return 1
         raise
     trainer.save_model(args.output_dir)

@@ -7,6 +7,7 @@ import json
 import math
 import re
 from collections import defaultdict
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 @pytest.fixture(scope="module")
 def trained(rig, tmp_path_factory):
     work = tmp_path_factory.mktemp("train")
-    before = len(rig.engine_stats()["chat"])
+    before = (len(rig.engine_stats()["chat"]), datetime.now(timezone.utc))
     args = train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1", "--report-to", "trackio",
                       "--project", "e2e")
     proc = run_script(args, cwd=work, HF_HOME=str(work / "hf"), TRACKIO_DIR=str(work / "trackio"), **SECRETS)
@@ -46,7 +47,7 @@ def test_first_step_scores_exactly_what_the_engine_sampled(trained):
 
 def test_engine_sampled_at_the_trainers_temperature(trained):
     proc, _, rig, before = trained
-    chats = rig.engine_stats()["chat"][before:]
+    chats = rig.engine_stats()["chat"][before[0]:]
     agent_calls = [c for c in chats if c["script"] != "reply"]  # "reply": the proxy's own tool-less probes
     assert agent_calls, "no agent call reached the engine"
     assert {c["sampling"].get("temperature") for c in agent_calls} == {0.7}
@@ -67,6 +68,23 @@ def test_groups_run_one_task_and_rewards_vary_within_a_group(trained):
 def test_trainable_tokens_reach_the_loss(trained):
     _, out, _, _ = trained
     assert all(e["batch/trained_tokens_per_step"] > 0 for e in log_history(out))
+
+
+def test_concurrent_rollouts_run_side_by_side(trained):
+    # One client per session: with --max-inflight 4, Harbor trials of this run overlap in time on the server.
+    _, _, rig, before = trained
+    spans = []
+    for result in (rig.workdir / "trials").glob("*/result.json"):
+        r = json.loads(result.read_text())
+        start, end = (datetime.fromisoformat(r[k].replace("Z", "+00:00")) for k in ("started_at", "finished_at"))
+        if start >= before[1]:
+            spans.append((start, end))
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    assert peak >= 3, f"at most {peak} of {len(spans)} trials ran at once"
 
 
 def test_rollout_child_exits_on_its_own(trained):
