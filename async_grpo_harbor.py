@@ -649,9 +649,9 @@ def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict
     if split not in names:
         raise UsageError(f"the Harbor server does not serve {args.split or args.dataset!r}; it serves: "
                          f"{', '.join(names) or 'nothing'}. Start it with --dataset {args.dataset} or pass --split")
-    served = next(s for s in splits if s["name"] == split)
-    if served.get("error"):
-        raise UsageError(f"the Harbor server could not load {split!r}: {served['error']}")
+    split_info = next(s for s in splits if s["name"] == split)
+    if split_info.get("error"):
+        raise UsageError(f"the Harbor server could not load {split!r}: {split_info['error']}")
     if args.tasks == DEFAULT_TASKS and split != DEFAULT_DATASET and args.dataset != DEFAULT_DATASET:
         raise UsageError(f"--tasks: the default task list is for {DEFAULT_DATASET}; give the tasks of "
                          f"{split!r} (e.g. --tasks 0-99)")

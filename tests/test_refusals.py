@@ -40,7 +40,7 @@ def test_unreachable_harbor_server(rig, tmp_path):
     (["--harness", "mini-swe-agnt"], ["unknown harness 'mini-swe-agnt'", "this server has: mini-swe-agent,"]),
     (["--sandbox", "locl"], ["unknown sandbox 'locl'", "this server has: local,"]),
     (["--tasks", "coin,coin3"], ["--tasks: no task named 'coin3'", "did you mean coin"]),
-    (["--tasks", "0-2,9"], ["--tasks: task index 9 is out of range", "4 tasks"]),
+    (["--tasks", "0-2,9"], ["--tasks: task index 9 is out of range", "5 tasks"]),
     (["--tasks", "@missing.txt"], ["cannot read missing.txt"]),
     (["--dataset", "some/other-suite"], ["does not serve 'some/other-suite'"]),
     (["--max-inflight", "9", "--num-generations", "2"], ["only 8 free session slots of the 9",

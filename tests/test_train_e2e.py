@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from conftest import SECRETS, TASKS, assert_all_slots_free, log_history, rollouts, run_script, train_args
+from conftest import MAX_MODEL_LEN, SECRETS, TASKS, assert_all_slots_free, log_history, rollouts, run_script, train_args
 from safetensors.torch import load_file
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,7 @@ def trained(rig, tmp_path_factory):
 def test_trains_three_steps_and_saves_the_model(trained):
     proc, out, rig, _ = trained
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(rf"tokens per micro-batch\s+{MAX_MODEL_LEN} ", proc.stdout), "hyper-parameter table"
     steps = log_history(out)
     assert [e["step"] for e in steps] == [1, 2, 3]
     assert all(math.isfinite(e["loss"]) for e in steps)
