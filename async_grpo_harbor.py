@@ -788,8 +788,9 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         eos = None
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     eos_ids = [tokenizer.eos_token_id, *[i for i in eos_ids if i != tokenizer.eos_token_id]]
+    dataset = Dataset.from_list(task_rows(tasks, split))
     worker = HarborRolloutWorker(
-        model_name=args.model, dataset=Dataset.from_list(task_rows(tasks, split)), reward_funcs=[],
+        model_name=args.model, dataset=dataset, reward_funcs=[],
         processing_class=tokenizer, eos_token_ids=eos_ids, num_generations=args.num_generations,
         max_inflight_tasks=args.max_inflight, queue_maxsize=config.queue_maxsize,
         vllm_server_url=args.vllm_url, max_tokens=args.max_completion_length, temperature=args.temperature,
@@ -801,8 +802,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit,
                                             efficiency_weight=args.efficiency_weight),
     )
-    return HarborGRPOTrainer(model=args.model, args=config, train_dataset=Dataset.from_list(task_rows(tasks, split)),
-                            processing_class=tokenizer, rollout_worker=worker)
+    return HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                             rollout_worker=worker)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
