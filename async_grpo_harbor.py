@@ -71,6 +71,8 @@ from openenv.harbor.models import HarborRolloutResult
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
+# Prefix of the error the rollout child raises to stop training; main() finds it in TRL's wrapped exception.
+ROLLOUTS_FAILING = "harbor rollouts failing:"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -300,7 +302,8 @@ class HarborServerSession:
         self.closed = False
         self.closed_event = threading.Event()
 
-    def _post(self, conn: http.client.HTTPConnection, method: str, params: dict[str, Any]) -> Any:
+    def _open_connection(self, **overrides: Any) -> http.client.HTTPConnection:
+        conn = self._connect(**overrides)
         conn.connect()
         # A rollout is one request that stays silent for minutes; without keepalive a NAT or load balancer on the
         # way drops it unseen and the thread waits out the whole timeout.
@@ -308,6 +311,9 @@ class HarborServerSession:
         for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
             if hasattr(socket, option):
                 conn.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        return conn
+
+    def _post(self, conn: http.client.HTTPConnection, method: str, params: dict[str, Any]) -> Any:
         body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
         conn.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
         reply = json.loads(conn.getresponse().read() or b"{}")
@@ -316,13 +322,14 @@ class HarborServerSession:
         return reply.get("result")
 
     def _call_once(self, method: str, params: dict[str, Any], interruptible: bool) -> Any:
-        conn = self._connect()
-        with self._lock:
-            if self.closed:
-                raise RuntimeError("session closed")
-            if interruptible:
-                self._waiting = conn
+        # Connected before it is published, so close() always finds a socket it can shut down.
+        conn = self._open_connection()
         try:
+            with self._lock:
+                if self.closed:
+                    raise RuntimeError("session closed")
+                if interruptible:
+                    self._waiting = conn
             return self._post(conn, method, params)
         finally:
             with self._lock:
@@ -349,18 +356,22 @@ class HarborServerSession:
             if self.closed:
                 return
             self.closed = True
-            waiting, session_id = self._waiting, self.session_id
+            waiting = self._waiting.sock if self._waiting is not None else None
+            session_id = self.session_id
         self.closed_event.set()
-        if waiting is not None and waiting.sock is not None:
+        if waiting is not None:
             try:
-                waiting.sock.shutdown(socket.SHUT_RDWR)
+                waiting.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         if session_id is not None:
             self._release()
 
     def _release(self) -> None:
-        conn = self._connect(timeout=10)
+        try:
+            conn = self._open_connection(timeout=10)
+        except OSError:
+            return  # the server is gone: its slots went with it
         try:
             self._post(conn, "openenv/session/close", {"session_id": self.session_id})
         except (OSError, RuntimeError, ValueError):
@@ -541,9 +552,6 @@ class HarborSessionFactory(ResourceSessionFactory):
         if count >= self.max_consecutive_failures:
             raise ValueError(redact(
                 f"{ROLLOUTS_FAILING} {count} consecutive rollouts were unscorable; the last: {failure[:300]}"))
-
-
-ROLLOUTS_FAILING = "harbor rollouts failing:"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
