@@ -16,7 +16,7 @@ The harness (default mini-swe-agent) runs inside a sandbox (default e2b) and dri
 through OpenEnv's capture proxy to your vLLM server, which records exact token ids and logprobs. Harbor's verifier
 scores the workspace. This script turns each rollout into a GRPO sample and trains the policy that vLLM serves.
 
-Run it (three terminals; see README.md for the full walk-through):
+Run it (see README.md for the full walk-through):
 
     # 1. the policy server (GPU 0)
     VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 --max-model-len 32768 \
@@ -24,15 +24,12 @@ Run it (three terminals; see README.md for the full walk-through):
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"nccl"}'
 
-    # 2. the Harbor server: one long-lived server, harness / sandbox / task are chosen per rollout; it starts the
-    #    sandboxes, so the sandbox credentials go here. Session slots >= 2 x --max-inflight.
-    MAX_CONCURRENT_ENVS=32 E2B_API_KEY=... HF_TOKEN=... openenv harbor serve \
-        --dataset AdithyaSK/data_agent_rl_environment_train \
-        --host 127.0.0.1 --port 8001 --expose direct --llm-url http://localhost:8000/v1
+    # 2. train (GPU 1); starts its own Harbor server (`openenv harbor serve`) on 127.0.0.1 and stops it at exit
+    E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
+        --vllm-url http://localhost:8000 --harbor-expose cloudflare
 
-    # 3. train (GPU 1)
-    uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
-        --vllm-url http://localhost:8000 --harbor-url http://localhost:8001 --tasks @tasks.txt
+    # check the whole set-up without training (one real rollout with --probe-rollout)
+    uv run async_grpo_harbor.py ... --check --probe-rollout
 
     # resume the latest checkpoint of that run (same --run-name or --output-dir)
     uv run async_grpo_harbor.py ... --run-name <name printed at start> --resume
@@ -649,8 +646,8 @@ class EmbeddedHarborServer:
                                  "install openenv[harbor] (Python >= 3.12) or set --harbor-command") from None
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
-                raise UsageError(f"the Harbor server exited with code {self.proc.returncode} while starting; the "
-                                 f"end of {self.log_path}:\n{self.log_tail()}")
+                raise UsageError(f"the Harbor server exited with code {self.proc.returncode} while starting (log: "
+                                 f"{self.log_path})")
             try:
                 http_json(f"{self.url}/harbor_env/splits", timeout=5)
                 return time.monotonic() - t0
@@ -708,7 +705,9 @@ class Preflight:
         width = max(len(row[0]) for row in self.rows)
         lines = []
         for check, status, detail, fix in self.rows:
-            lines.append(f"  {status}  {check:<{width}}  {detail}")
+            first, *more = detail.splitlines() or [""]
+            lines.append(f"  {status}  {check:<{width}}  {first}")
+            lines += [f"        {'':<{width}}  {line}" for line in more]
             if fix and status in (WARN, FAIL):
                 lines.append(f"        {'':<{width}}  fix: {fix}")
         print("\npreflight\n" + "\n".join(lines) + "\n", flush=True)
@@ -716,7 +715,7 @@ class Preflight:
     def error_line(self) -> str:
         _, _, detail, fix = self.failures[0]
         more = len(self.failures) - 1
-        return (f"error: {detail}" + (f"; {fix}" if fix else "")
+        return (f"error: {detail.splitlines()[0]}" + (f"; {fix}" if fix else "")
                 + (f" (and {more} more failed check{'s' * (more > 1)} above)" if more else ""))
 
 
@@ -880,7 +879,7 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
         try:
             seconds = server.start(served["id"])
         except UsageError as exc:
-            pf.add("Harbor server", FAIL, str(exc), "fix the cause in the log, or pass --harbor-url")
+            pf.add("Harbor server", FAIL, f"{exc}\n{server.log_tail()}", "fix what its log says, or pass --harbor-url")
             return None
         args.harbor_url = server.url
         pf.add("Harbor server", PASS, f"started {server.url} in {seconds:.0f}s (log: {server.log_path})")
@@ -934,7 +933,7 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
                f"{args.vllm_url}: if they are not the same server, training is off-policy",
                "point both at the same vLLM")
     else:
-        pf.add("server's engine", PASS, f"{llm.get('url')} (tokens), the vLLM weights go to")
+        pf.add("server's engine", PASS, f"{llm.get('url')}: tokens, the vLLM the trainer updates")
 
     try:
         check_session_capacity(args.harbor_url, args.max_inflight)
@@ -1207,6 +1206,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"preflight: no failures ({sum(r[1] == WARN for r in pf.rows)} warnings)", flush=True)
             return 0
         return train(args, plan, server)
+    except KeyboardInterrupt:
+        print(f"\n[harbor] interrupted; checkpoints so far are in {args.output_dir}", file=sys.stderr)
+        return 130
     finally:
         if server is not None:
             server.stop()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command. Builds the two environments of the CPU rig once (cached outside the clone, keyed by their
-# requirements, so reruns on one machine install nothing), then runs the whole suite.
+# requirements, so reruns on one machine install nothing), then runs the suite (or the tests named in the arguments).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${AGH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/async_grpo_harbor}
@@ -37,7 +37,9 @@ export AGH_SERVER_PYTHON=$server/bin/python AGH_TRAINER_PYTHON=$trainer/bin/pyth
 
 cd "$root"
 set +e
-"$trainer/bin/python" -m pytest tests -ra "$@"
+# The whole suite unless the arguments name tests themselves (a file, a node id).
+case " $* " in *" tests/"*) ;; *) set -- tests "$@" ;; esac
+"$trainer/bin/python" -m pytest -ra "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then
