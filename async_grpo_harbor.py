@@ -141,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "practice: accelerate prefetches one batch.")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
-    g.add_argument("--max-completion-length", type=int, default=4096,
-                   help="Tokens per model call (a turn) the trainer expects, for its truncation metric only: the "
-                        "harness's own loop is capped by the Harbor server's --max-output-tokens.")
+    g.add_argument("--max-completion-length", type=int, default=1024,
+                   help="Tokens per model call (an agent turn). The Harbor server this script starts caps every turn "
+                        "there (its --max-output-tokens); a server of yours needs that flag set to match. An agent turn "
+                        "is a thought and one command: 30 turns x 1024 fit a 32k context.")
     g.add_argument("--learning-rate", type=float, default=1e-6,
                    help="AdamW learning rate, constant: the number of rollouts per step varies with their length, "
                         "so a decay horizon in steps means little.")
@@ -829,8 +830,8 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
                f"vLLM's max_model_len {max_len:,}: a rollout that uses its whole budget ends at the context limit",
                "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
     else:
-        pf.add("context", PASS, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens fit "
-               f"max_model_len {max_len:,} (also TRL's token budget per micro-batch)")
+        pf.add("context", PASS, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} "
+               f"fit max_model_len {max_len:,}, with {max_len - worst:,} left for the prompt and command output")
     served["max_model_len"] = max_len
     return served
 
