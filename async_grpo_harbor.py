@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="RL-train a model on a Harbor task suite through a loop-owning harness with TRL AsyncGRPO.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        # `--mod X` must not silently mean --model: the SLURM wrappers read flags from the same command line.
+        allow_abbrev=False,
     )
     g = p.add_argument_group("policy and engine")
     g.add_argument("--model", default="Qwen/Qwen3-4B-Instruct-2507",
@@ -1195,18 +1197,25 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
-    server = None if args.harbor_url else EmbeddedHarborServer(args)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    share = join_ranks() if world > 1 else None
+    server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
     try:
-        pf = Preflight()
-        plan = preflight(args, pf, server)
-        pf.print()
-        if pf.failures:
-            print(pf.error_line(), file=sys.stderr)
-            return 2
-        if args.check:
-            print(f"preflight: no failures ({sum(r[1] == WARN for r in pf.rows)} warnings)", flush=True)
-            return 0
-        return train(args, plan, server)
+        code, plan = None, {}
+        if rank == 0:
+            pf = Preflight()
+            plan = preflight(args, pf, server)
+            pf.print()
+            if pf.failures:
+                print(pf.error_line(), file=sys.stderr)
+                code = 2
+            elif args.check:
+                print(f"preflight: no failures ({sum(r[1] == WARN for r in pf.rows)} warnings)", flush=True)
+                code = 0
+        if share is not None:
+            code, plan, args.run_name, args.output_dir, args.harbor_url = share(
+                (code, plan, args.run_name, args.output_dir, args.harbor_url))
+        return code if code is not None else train(args, plan, server)
     except KeyboardInterrupt:
         print(f"\n[harbor] interrupted; checkpoints so far are in {args.output_dir}", file=sys.stderr)
         return 130
@@ -1215,9 +1224,32 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
 
 
+def join_ranks():
+    """Under `accelerate launch` / torchrun: rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on
+    the main process only); the others take its plan and run name, so N processes start one server and write one run.
+
+    Over a gloo group with a long timeout: rank 0's preflight can take minutes (a first dataset download), longer than
+    NCCL's default collective timeout.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    PartialState()  # the process group the trainer will use
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
+
+    def share(payload):
+        box = [payload]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    return share
+
+
 def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
     llm, tasks = plan["llm"], plan["tasks"]
-    print_table("async_grpo_harbor", {
+    print_table("async_grpo_harbor" if int(os.environ.get("RANK", "0")) == 0 else "", {
         "run name": args.run_name, "output dir": args.output_dir, "resume from": plan["resume"] or "-",
         "model": args.model, "vllm": args.vllm_url,
         "harbor": f"{args.harbor_url}" + (f" (started here, log {server.log_path})" if server else ""),
