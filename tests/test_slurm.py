@@ -240,12 +240,14 @@ def test_a_bad_split_or_flag_is_one_error_line_before_anything_starts(env, args,
 def test_multi_node_runs_vllm_and_the_trainer_on_their_own_nodes(tmp_path):
     port = free_port()
     job = Job(tmp_path, MULTI, ["--model", "org/policy-7b", "--tasks", "0-9"], trainer="wait",
-              SLURM_JOB_NODELIST="localhost,trainer-host", SLURM_GPUS_ON_NODE="4", ENGINE_PORT=str(port))
+              SLURM_JOB_NODELIST="localhost,trainer-host", SLURM_GPUS_ON_NODE="4", SLURM_CPUS_ON_NODE="32",
+              ENGINE_PORT=str(port))
     job.wait_for("accelerate", "running")
 
     [srun_vllm, srun_trainer] = job.started("srun")
-    assert srun_vllm["argv"][:4] == ["--nodes=1", "--ntasks=1", "--nodelist=localhost", "--gres=gpu:4"]
-    assert srun_trainer["argv"][:4] == ["--nodes=1", "--ntasks=1", "--nodelist=trainer-host", "--gres=gpu:4"]
+    step = ["--nodes=1", "--ntasks=1", "--gres=gpu:4", "--cpus-per-task=32"]
+    assert srun_vllm["argv"][:5] == [*step[:2], "--nodelist=localhost", *step[2:]]
+    assert srun_trainer["argv"][:5] == [*step[:2], "--nodelist=trainer-host", *step[2:]]
     [vllm] = job.started("vllm")
     argv = vllm["argv"]
     assert argv[:2] == ["serve", "org/policy-7b"] and after(argv, "--host") == "0.0.0.0"
