@@ -37,6 +37,19 @@ def script_default(flag: str) -> str:
     return module.build_parser().get_default(flag)
 
 
+def standin_env(tmp_path: Path, log: Path) -> dict[str, str]:
+    """The environment of a job outside SLURM, with the stand-ins first on PATH, recording into `log`."""
+    log.touch()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for prog in ("srun", "scontrol", "uv", "vllm", "accelerate", "python"):
+        shim = bin_dir / prog
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{RIG / "slurm_standin.py"}" {prog} "$@"\n')
+        shim.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CUDA_VISIBLE"))}
+    return {**env, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "STANDIN_LOG": str(log)}
+
+
 class Job:
     """Runs a wrapper the way sbatch would, with the stand-ins first on PATH."""
 
@@ -44,16 +57,7 @@ class Job:
 
     def __init__(self, tmp_path: Path, wrapper: Path, args: list[str], trainer: str = "finish", **env: str):
         self.log = tmp_path / "standins.jsonl"
-        self.log.touch()
-        bin_dir = tmp_path / "bin"
-        bin_dir.mkdir(exist_ok=True)
-        for prog in ("srun", "scontrol", "uv", "vllm", "accelerate", "python"):
-            shim = bin_dir / prog
-            shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{RIG / "slurm_standin.py"}" {prog} "$@"\n')
-            shim.chmod(0o755)
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CUDA_VISIBLE"))}
-        self.env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", STANDIN_LOG=str(self.log),
-                        STANDIN_TRAINER=trainer, SLURM_JOB_ID=JOB_ID, **env)
+        self.env = {**standin_env(tmp_path, self.log), "STANDIN_TRAINER": trainer, "SLURM_JOB_ID": JOB_ID, **env}
         self.out = tmp_path / "job.out"
         self.proc = subprocess.Popen(["bash", str(wrapper), *args], cwd=tmp_path, env=self.env,
                                      stdout=self.out.open("w"), stderr=subprocess.STDOUT)
@@ -207,8 +211,10 @@ def test_a_trainer_that_crashes_unprompted_is_not_requeued(tmp_path):
 
 
 def test_dry_run_prints_each_command_and_starts_nothing(tmp_path):
-    proc = dry_run(SINGLE, "--model", "org/m", "--tasks", "0-9", PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    log = tmp_path / "standins.jsonl"
+    proc = dry_run(SINGLE, "--model", "org/m", "--tasks", "0-9", **standin_env(tmp_path, log))
     assert proc.returncode == 0, proc.stderr
+    assert log.read_text() == ""
     assert "# vLLM on GPUs 0\nenv CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 uv run" in proc.stdout
     assert "vllm serve org/m --port 8000" in proc.stdout
     assert """--weight-transfer-config '{"backend":"nccl"}'""" in proc.stdout
