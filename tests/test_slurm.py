@@ -210,6 +210,23 @@ def test_a_trainer_that_crashes_unprompted_is_not_requeued(tmp_path):
     assert job.wait_for("vllm", "stopped")
 
 
+def test_a_stop_signal_while_vllm_loads_requeues_without_starting_the_trainer(tmp_path):
+    job = Job(tmp_path, SINGLE, ["--tasks", "0-9"], STANDIN_VLLM="load", ENGINE_PORT=str(free_port()))
+    job.wait_for("vllm", "up")
+    job.proc.send_signal(signal.SIGUSR1)
+    assert job.wait() == 75, job.output()
+    assert [e["argv"] for e in job.started("scontrol")] == [["requeue", JOB_ID]]
+    assert not job.started("python") and not job.started("accelerate")
+    assert job.wait_for("vllm", "stopped")
+
+
+def test_a_vllm_that_dies_while_loading_ends_the_job_with_one_error_line(tmp_path):
+    job = Job(tmp_path, SINGLE, ["--tasks", "0-9"], STANDIN_VLLM="crash", ENGINE_PORT=str(free_port()))
+    assert job.wait() == 1
+    assert "error: vLLM exited before answering http://127.0.0.1:" in job.output()
+    assert not job.started("python") and not job.started("scontrol")
+
+
 def test_dry_run_prints_each_command_and_starts_nothing(tmp_path):
     log = tmp_path / "standins.jsonl"
     proc = dry_run(SINGLE, "--model", "org/m", "--tasks", "0-9", **standin_env(tmp_path, log))

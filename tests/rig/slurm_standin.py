@@ -4,8 +4,8 @@ program, so the wrappers find them on PATH.
 
 Every invocation appends {"prog", "argv", "env", "pid"} to the JSON-lines file $STANDIN_LOG. Launchers behave like
 the real ones as far as the wrappers can tell: `srun` and `uv run` run their command in place (exec, so a signal sent
-to them reaches it), `vllm serve` answers GET /health on its --port until SIGTERM, `scontrol` expands a comma
-node list. The trainer follows $STANDIN_TRAINER: `finish` exits 0, `crash` exits 1, `wait` runs until SIGTERM or
+to them reaches it), `vllm serve` answers GET /health on its --port until SIGTERM ($STANDIN_VLLM: `serve`, `load`
+never answers, `crash` exits 1 at once), `scontrol` expands a comma node list. The trainer follows $STANDIN_TRAINER: `finish` exits 0, `crash` exits 1, `wait` runs until SIGTERM or
 SIGUSR1, then exits 75 as the script does after its checkpoint; run by `accelerate` it exits 1 instead, the code
 torchrun reports when its ranks exited non-zero.
 """
@@ -56,9 +56,13 @@ class Health(http.server.BaseHTTPRequestHandler):
 
 
 def vllm(argv: list[str]) -> int:
+    mode = os.environ.get("STANDIN_VLLM", "serve")
+    if mode == "crash":
+        return 1
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    if "--headless" not in argv:
+    record("vllm", argv, event="up")
+    if "--headless" not in argv and mode == "serve":
         server = http.server.ThreadingHTTPServer(("0.0.0.0", int(argv[argv.index("--port") + 1])), Health)
         threading.Thread(target=server.serve_forever, daemon=True).start()
     while not stopped.wait(0.2):
