@@ -140,3 +140,17 @@ def test_its_own_harbor_server_never_outlives_it(rig, tmp_path, how):
         time.sleep(0.5)
     else:
         pytest.fail(f"the Harbor server at {url} outlived the script ({how})")
+
+
+def test_under_a_multi_process_launch_rank_0_alone_checks_and_starts_the_server(rig, tmp_path):
+    # What `accelerate launch` / torchrun give each process. No --run-name: each rank would draw its own.
+    args, env = embedded([*rig.base_args(), "--tasks", "coin", "--check"], tmp_path)
+    dist = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              env=script_env(**env, **dist, RANK=str(rank), LOCAL_RANK=str(rank)))
+             for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=600)[0] for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [0, 0], outputs
+    assert "PASS  Harbor server" in outputs[0] and "preflight" not in outputs[1], outputs
+    assert len(list(tmp_path.glob("runs/*/harbor_server.log"))) == 1
