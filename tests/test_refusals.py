@@ -47,6 +47,7 @@ def test_unreachable_harbor_server(rig, tmp_path):
     (["--tasks", "@missing.txt"], ["cannot read missing.txt"]),
     (["--dataset", "some/other-suite"], ["does not serve 'some/other-suite'"]),
     (["--model", "Qwen/Qwen3-4B-Instruct-2507"], ["vLLM serves", "but --model is Qwen/Qwen3-4B-Instruct-2507"]),
+    (["--output-dir", "/proc/agh-out"], ["cannot write to /proc/agh-out", "writable --output-dir"]),
     (["--max-inflight", "9", "--num-generations", "2"], ["only 8 free session slots of the 9",
                                                          "MAX_CONCURRENT_ENVS=18"]),
 ])
