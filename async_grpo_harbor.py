@@ -855,7 +855,8 @@ class StopRequest:
             os.write(1, f"[harbor] stopped by {name} before training started: nothing to save; exit code "
                         f"{REQUEUE_EXIT_CODE} (requeue). Resume: {self.resume_command}\n".encode())
             raise SystemExit(REQUEUE_EXIT_CODE)
-        os.write(1, f"[harbor] {name}: stopping at the end of this optimizer step to save a checkpoint\n".encode())
+        os.write(1, f"[harbor] {name}: stopping at the end of this optimizer step (sooner if it is waiting for "
+                    "rollouts) to save a checkpoint\n".encode())
 
 
 STOP = StopRequest()
