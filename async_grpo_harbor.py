@@ -33,6 +33,10 @@ Run it (see README.md for the full walk-through):
 
     # resume the latest checkpoint of that run (same --run-name or --output-dir)
     uv run async_grpo_harbor.py ... --run-name <name printed at start> --resume
+
+    # preemptible (SLURM requeue): one command for the first launch and every requeue; SIGTERM / SIGUSR1 save a
+    # checkpoint and exit 75
+    uv run async_grpo_harbor.py ... --run-name my-run --resume auto
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
 # Prefix of the error the rollout child raises to stop training; main() finds it in TRL's wrapped exception.
 ROLLOUTS_FAILING = "harbor rollouts failing:"
+# EX_TEMPFAIL: "stopped on request, a checkpoint holds everything; relaunch me". SLURM wrappers requeue on it.
+REQUEUE_EXIT_CODE = 75
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -163,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-dir", default="",
                    help="Checkpoints and logs. Empty: runs/<run name>.")
     g.add_argument("--run-name", default="",
-                   help="Empty: <model>-<harness>-<sandbox>-<SLURM_JOB_ID, else UTC time + random suffix>, so "
-                        "relaunches never write over each other while a requeued SLURM job keeps its name.")
+                   help="Empty: the --output-dir's name if given, else <model>-<harness>-<sandbox>-<SLURM_JOB_ID, "
+                        "else UTC time + random suffix>, so relaunches never write over each other while a requeued "
+                        "SLURM job keeps its name.")
     g.add_argument("--project", default="async-grpo-harbor",
                    help="trackio project, so runs on one suite compare side by side.")
     g.add_argument("--report-to", default="trackio",
@@ -173,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Optimizer steps between checkpoints: what a crash or preemption can lose.")
     g.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="Resume trainer state and task position: bare `--resume` takes the latest checkpoint in the "
-                        "output dir; or give a checkpoint path.")
+                        "output dir; `auto` the same if there is one, else starts fresh (one command for the first "
+                        "launch and every requeue; needs --run-name, --output-dir or SLURM_JOB_ID); or give a "
+                        "checkpoint path. A corrupt or partial checkpoint is skipped for the one before it.")
     g.add_argument("--check", action="store_true",
                    help="Run the preflight checks (vLLM, Harbor server, sandbox, tasks, run dir), print their table "
                         "and exit: 0 when nothing FAILs. The same checks run before every training run.")
@@ -206,6 +215,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.harbor_url = args.harbor_url.rstrip("/")
     if args.probe_rollout and not args.check:
         raise UsageError("--probe-rollout is part of --check; add --check")
+    if args.resume == "auto" and not (args.run_name or args.output_dir or os.environ.get("SLURM_JOB_ID")):
+        raise UsageError("--resume auto needs a run name that survives a relaunch: pass --run-name (or --output-dir); "
+                         "under SLURM the job id names the run")
+    if not args.run_name and args.output_dir:
+        # A relaunch into the same dir is the same run, so it keeps its name in the tracker.
+        args.run_name = Path(args.output_dir.rstrip("/")).name
     if not args.run_name:
         stamp = (f"slurm{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID")
                  else f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
@@ -539,6 +554,7 @@ class HarborSessionFactory(ResourceSessionFactory):
         otherwise go on starting paid sandboxes with nobody to train on them.
         """
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the trainer's stop request; it stops us when it is ready
         signal.signal(signal.SIGTERM, lambda signum, frame: self._abandon(128 + signum))
         parent = os.getppid()
 
@@ -1061,26 +1077,78 @@ def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[s
         client.close()
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
+def numbered_checkpoints(output_dir: str) -> list[Path]:
+    """checkpoint-N dirs, newest first."""
     steps = [(int(m[1]), p) for p in Path(output_dir).glob("checkpoint-*")
-             if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and (p / "trainer_state.json").is_file()]
-    return str(max(steps)[1]) if steps else None
+             if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()]
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a resume from `path` would fail or silently lose state, or None.
+
+    Structural checks only (every file a resume loads is present and complete): reading a multi-GB optimizer state
+    to the end would not fit in a preemption grace period. transformers resumes with a fresh optimizer, without a
+    word, when optimizer.pt or scheduler.pt is missing, so both are required.
+    """
+    import zipfile
+
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+        int(json.loads((path / "rollout_state.json").read_text())["prompt_index"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    index = path / "model.safetensors.index.json"
+    try:
+        weights = ({path / f for f in json.loads(index.read_text())["weight_map"].values()} if index.is_file()
+                   else {path / "model.safetensors"})
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        return f"{index.name}: {type(exc).__name__}: {exc}"
+    for file in sorted(weights):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (OSError, SafetensorError) as exc:
+            return f"{file.name}: {exc}"
+    for name in ("optimizer.pt", "scheduler.pt", *(f.name for f in path.glob("rng_state*.pth"))):
+        try:
+            with zipfile.ZipFile(path / name) as archive:
+                archive.namelist()
+        except (OSError, zipfile.BadZipFile) as exc:
+            return f"{name}: {exc}"
+    return None
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest checkpoint a resume can use; each newer one that is corrupt or partial is skipped with a warning."""
+    for path in numbered_checkpoints(output_dir):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return str(path)
+        print(f"warning: skipping {path}: {problem}; trying the checkpoint before it", file=sys.stderr)
+    return None
 
 
 def resolve_resume(args: argparse.Namespace) -> str | None:
     if args.resume is None:
-        if latest_checkpoint(args.output_dir):
+        if numbered_checkpoints(args.output_dir):
             raise UsageError(f"{args.output_dir} already holds checkpoints of another run; pass --resume to "
                              "continue it, or a new --run-name / --output-dir")
         return None
-    if args.resume == "latest":
+    if args.resume in ("latest", "auto"):
         path = latest_checkpoint(args.output_dir)
-        if path is None:
-            raise UsageError(f"--resume: no checkpoint-N/trainer_state.json in {args.output_dir}; pass the run's "
-                             "--run-name or --output-dir, or a checkpoint path")
+        if path is None and numbered_checkpoints(args.output_dir):
+            # Starting over would write over them; a human should look first.
+            raise UsageError(f"--resume: no usable checkpoint in {args.output_dir} (see the warnings above); "
+                             "repair one, or remove them to start over")
+        if path is None and args.resume == "latest":
+            raise UsageError(f"--resume: no checkpoint-N in {args.output_dir}; pass the run's --run-name or "
+                             "--output-dir, or a checkpoint path")
         return path
-    if not (Path(args.resume) / "trainer_state.json").is_file():
-        raise UsageError(f"--resume {args.resume}: not a checkpoint (no trainer_state.json there)")
+    if problem := checkpoint_problem(Path(args.resume)):
+        raise UsageError(f"--resume {args.resume}: not a usable checkpoint ({problem})")
     return args.resume
 
 
@@ -1121,29 +1189,144 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     worker._process = None
 
 
+class Preempted(BaseException):
+    """A stop request that reached a point where training can stop without losing a step. A BaseException, like
+    SystemExit, so no `except Exception` on the way out swallows it."""
+
+
+class StopRequest:
+    """SIGTERM / SIGUSR1 (SLURM's preemption notice, scancel, `kill`): save a checkpoint, exit for a requeue.
+
+    Before training runs there is nothing to save, so the signal unwinds at once. Once it runs, the handler only takes
+    note: unwinding from an arbitrary point could leave vLLM paused mid weight sync (TRL's pause/resume is not in a
+    try/finally) or an optimizer step half applied. The trainer stops at the next safe point instead: the end of the
+    current optimizer step, or within one queue poll if it is waiting for rollouts (whose end may be minutes away).
+    """
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self.deferred = False
+        self.resume_command = "the same command"
+
+    def handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        # os.write, not print: the main thread may be inside a print, which a print here would re-enter.
+        if self.signal_name is not None:
+            os.write(1, f"[harbor] {name} again: already stopping; the checkpoint is written whole or not at all\n"
+                     .encode())
+            return
+        self.signal_name = name
+        if not self.deferred:
+            os.write(1, f"[harbor] stopped by {name} before training started: nothing to save; exit code "
+                        f"{REQUEUE_EXIT_CODE} (requeue). Resume: {self.resume_command}\n".encode())
+            raise SystemExit(REQUEUE_EXIT_CODE)
+        os.write(1, f"[harbor] {name}: stopping at the end of this optimizer step (sooner if it is waiting for "
+                    "rollouts) to save a checkpoint\n".encode())
+
+
+STOP = StopRequest()
+
+
+def resume_command(argv: list[str], output_dir: str) -> str:
+    """The command line that continues this run: the same arguments with `--resume auto` in this output dir."""
+    kept, tokens = [], iter(argv)
+    for token in tokens:
+        if token == "--resume":
+            following = next(tokens, None)
+            if following is not None and following.startswith("-"):
+                kept.append(following)
+        elif not token.startswith("--resume="):
+            kept.append(token)
+    if not any(t == "--output-dir" or t.startswith("--output-dir=") for t in kept):
+        kept += ["--output-dir", output_dir]
+    return redact(shlex.join(["uv", "run", Path(sys.argv[0]).name, *kept, "--resume", "auto"]))
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(data))
+    os.replace(partial, path)
+
+
+def publish_checkpoint(staged: Path, final: Path) -> None:
+    """Put a completely written checkpoint in place with one rename, so checkpoint-N is never half-written."""
+    replaced = final.with_name(f".replaced-{final.name}")
+    if final.exists():  # an unusable checkpoint of this step, from before a fallback to an older one
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)
+    staged.rename(final)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
+    """Checkpoint the last finished optimizer step, unless a checkpoint already holds it, and ask for a requeue."""
+    step = trainer.state.global_step
+    checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
+    if step and checkpoint_problem(checkpoint) is not None:
+        # A step interrupted while waiting for rollouts is dropped whole: the weights and optimizer are still those
+        # of the last finished step, and its gradients are not kept.
+        trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+    saved = f"checkpoint {checkpoint} (step {step})" if step else "no optimizer step yet, nothing to save"
+    print(f"[harbor] stopped by {STOP.signal_name}: {saved}; exit code {REQUEUE_EXIT_CODE} (requeue). Resume: "
+          f"{STOP.resume_command}", flush=True)
+    return REQUEUE_EXIT_CODE
+
+
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]]):
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
     class HarborRolloutWorker(HarnessRolloutWorker):
         stop = stop_rollout_worker
 
+        def check_health(self, stale_after_s: float) -> None:
+            # TRL calls this each time the trainer has waited a queue poll for rollouts: a safe point to stop at.
+            if STOP.signal_name is not None:
+                raise Preempted(STOP.signal_name)
+            super().check_health(stale_after_s)
+
+    class StopAtStepEnd(TrainerCallback):
+        def on_step_end(self, _args, _state, control, **_kwargs):
+            if STOP.signal_name is not None:
+                control.should_save = True
+                control.should_training_stop = True
+
     class HarborGRPOTrainer(AsyncGRPOTrainer):
+        _staging_dir: str | None = None
+
+        def _get_output_dir(self, trial):
+            # transformers and TRL write a checkpoint file by file into <output dir>/checkpoint-N; pointing them at a
+            # staging dir while they do means a kill mid-save leaves no half-written checkpoint-N behind.
+            return self._staging_dir or super()._get_output_dir(trial)
+
         def _save_checkpoint(self, model, trial):
-            super()._save_checkpoint(model, trial)
+            name = f"checkpoint-{self.state.global_step}"
+            run_dir = Path(super()._get_output_dir(trial))
+            staging = run_dir / f".staging-{name}"
+            if self.accelerator.is_main_process:
+                shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+            self._staging_dir = str(staging)
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._staging_dir = None
+            self.accelerator.wait_for_everyone()  # every rank's files are in before the rename
+            if not self.accelerator.is_main_process:
+                return
             # TRL resumes at the first group it never trained. A group that yields no sample (every rollout of a
             # broken task failed) is never trained, so each later resume would restart there and replay everything
             # after it; resume after the last trained group instead.
-            state_file = (Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
-                          / "rollout_state.json")
-            if self.accelerator.is_main_process and state_file.is_file() and self._trained_groups:
+            state_file = staging / name / "rollout_state.json"
+            if state_file.is_file() and self._trained_groups:
                 state = json.loads(state_file.read_text())
                 start = self.rollout_worker._loop_kwargs["dataset_start_index"]
                 state["prompt_index"] = start + max(self._trained_groups) + 1
-                state_file.write_text(json.dumps(state))
+                write_json_atomic(state_file, state)
+            publish_checkpoint(staging / name, run_dir / name)
+            staging.rmdir()
 
     config = AsyncGRPOConfig(
         output_dir=args.output_dir, run_name=args.run_name, project=args.project, report_to=args.report_to,
@@ -1177,23 +1360,21 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit,
                                             efficiency_weight=args.efficiency_weight),
     )
-    return HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                             rollout_worker=worker)
+    trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                                rollout_worker=worker)
+    trainer.add_callback(StopAtStepEnd())
+    return trainer
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------------------------
-def _raise_on_sigterm(signum, frame):
-    # Unwinding runs every cleanup on the way out: TRL's (without it the rollout child is orphaned and keeps starting
-    # sandboxes) and ours (server sessions held by the preflight).
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    signal.signal(signal.SIGTERM, STOP.handle)
+    signal.signal(signal.SIGUSR1, STOP.handle)
     try:
         args = parse_args(argv)
+        STOP.resume_command = resume_command(sys.argv[1:] if argv is None else argv, args.output_dir)
     except UsageError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
@@ -1267,8 +1448,11 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
         "report to": f"{args.report_to} (project {args.project})",
     })
     trainer = build_trainer(args, plan["split"], tasks)
+    STOP.deferred = True
     try:
         trainer.train(resume_from_checkpoint=plan["resume"])
+    except Preempted:
+        pass  # unwinding ran TRL's cleanup: rollout child stopped, its server sessions released
     except RuntimeError as exc:
         cause = str(exc.__cause__ or exc)
         if ROLLOUTS_FAILING in cause:
@@ -1277,6 +1461,8 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
                   f"{args.output_dir} --resume", file=sys.stderr)
             return 1
         raise
+    if STOP.signal_name and trainer.state.global_step < args.max_steps:
+        return save_for_requeue(trainer, args)
     trainer.save_model(args.output_dir)
     print(f"[harbor] done: {trainer.state.global_step} steps, model saved to {args.output_dir}", flush=True)
     return 0
