@@ -1064,6 +1064,105 @@ def run_measure(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 # Trainer
 # ----------------------------------------------------------------------------------------------------------------------
+class RolloutAccounting:
+    """Where a run's time and signal go, per optimizer step: read from the rollout records the factory writes.
+
+    The factory runs in TRL's rollout child, whose only metrics channel takes a fixed set of keys; it appends one JSON
+    line per finished rollout instead, and the trainer folds the lines that arrived since the previous step into its
+    log (trainer_state.json, trackio) and one console line. A group counts once all its generations have finished;
+    it has zero variance when its scorable rewards (the shaped ones TRL trains on) are all equal, so its advantages
+    are all 0 and it teaches nothing. Counts start at this launch.
+    """
+
+    def __init__(self, path: str, num_generations: int, harnesses: list[str]):
+        self.path, self.num_generations, self.harnesses = Path(path), num_generations, harnesses
+        self.offset = self.path.stat().st_size if self.path.is_file() else 0
+        self.pending: dict[Any, list[dict[str, Any]]] = {}
+        self.groups_total = self.zero_total = 0
+        self.by_harness: dict[str, list[int]] = {h: [0, 0] for h in harnesses}  # [groups, zero-variance groups]
+        self.last = time.monotonic()
+
+    def _new_records(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[:data.rfind(b"\n") + 1]  # a line still being written is read next time
+        self.offset += len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+    def step(self, step: int) -> dict[str, float]:
+        records = self._new_records()
+        now, elapsed = time.monotonic(), time.monotonic() - self.last
+        self.last = now
+        scored_groups, zero_groups = [], []
+        for record in records:
+            members = self.pending.setdefault(record["group"], [])
+            members.append(record)
+            if len(members) < self.num_generations:
+                continue
+            del self.pending[record["group"]]
+            rewards = {m["train_reward"] if m["train_reward"] is not None else m["reward"]
+                       for m in members if m["error"] is None}
+            if not rewards:
+                continue  # no sample at all: counted as errors, not as a group that trained on nothing
+            scored_groups.append(record["group"])
+            zero = len(rewards) == 1
+            zero_groups += [record["group"]] if zero else []
+            counts = self.by_harness.setdefault(record["harness"], [0, 0])
+            counts[0] += 1
+            counts[1] += zero
+        self.groups_total += len(scored_groups)
+        self.zero_total += len(zero_groups)
+
+        ok = [r for r in records if r["error"] is None]
+        errors: dict[str, int] = {}
+        for r in records:
+            if r["error"] is not None:
+                errors[r["error"]] = errors.get(r["error"], 0) + 1
+        metrics = {"harbor/rollouts": float(len(records)), "harbor/rollouts_per_min": len(records) / elapsed * 60,
+                   "harbor/sandbox_s_per_step": sum(r["wall_s"] for r in records),
+                   "harbor/errors": float(sum(errors.values())),
+                   "harbor/budget_stops": float(sum(r["budget_stops"] for r in records)),
+                   "harbor/groups": float(len(scored_groups)), "harbor/groups_total": float(self.groups_total),
+                   "harbor/zero_variance_groups_total": float(self.zero_total)}
+        metrics |= {f"harbor/errors/{kind}": float(n) for kind, n in errors.items()}
+        if scored_groups:
+            metrics["harbor/zero_variance_frac"] = len(zero_groups) / len(scored_groups)
+        if self.groups_total:
+            metrics["harbor/zero_variance_frac_cumulative"] = self.zero_total / self.groups_total
+        if ok:
+            metrics |= {"harbor/solve_rate": sum(r["reward"] > 0 for r in ok) / len(ok),
+                        "harbor/wall_s_mean": sum(r["wall_s"] for r in ok) / len(ok),
+                        "harbor/turns_mean": sum(r["turns"] for r in ok) / len(ok)}
+            for phase in {name for r in ok for name in r["phases"]}:
+                timed = [r["phases"][phase] for r in ok if phase in r["phases"]]
+                metrics[f"harbor/phase_s/{phase}"] = sum(timed) / len(timed)
+        if len(self.harnesses) > 1:
+            for harness in self.harnesses:
+                mine = [r for r in records if r["harness"] == harness]
+                mine_ok = [r for r in mine if r["error"] is None]
+                groups, zero = self.by_harness[harness]
+                metrics[f"harbor/{harness}/rollouts"] = float(len(mine))
+                metrics[f"harbor/{harness}/errors"] = float(len(mine) - len(mine_ok))
+                if mine_ok:
+                    metrics[f"harbor/{harness}/solve_rate"] = sum(r["reward"] > 0 for r in mine_ok) / len(mine_ok)
+                    metrics[f"harbor/{harness}/wall_s_mean"] = sum(r["wall_s"] for r in mine_ok) / len(mine_ok)
+                if groups:
+                    metrics[f"harbor/{harness}/zero_variance_frac_cumulative"] = zero / groups
+
+        share = f"{len(zero_groups) / len(scored_groups):.0%}" if scored_groups else "-"
+        total = f"{self.zero_total / self.groups_total:.0%}" if self.groups_total else "-"
+        print(f"[harbor] step {step}: {len(scored_groups)} groups scored "
+              f"({','.join(map(str, scored_groups)) or '-'}), {len(zero_groups)} zero-variance "
+              f"({','.join(map(str, zero_groups)) or '-'}) = {share}; cumulative {self.zero_total}/{self.groups_total} "
+              f"= {total}; {len(records)} rollouts ({metrics['harbor/rollouts_per_min']:.1f}/min), sandbox "
+              f"{metrics['harbor/sandbox_s_per_step']:.0f}s, errors {sum(errors.values())}"
+              + "".join(f" {kind}={n}" for kind, n in errors.items()), flush=True)
+        return metrics
+
+
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     """Stop TRL's rollout child promptly and boundedly.
 
@@ -1122,6 +1221,11 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 state["prompt_index"] = start + max(self._trained_groups) + 1
                 state_file.write_text(json.dumps(state))
 
+        def log(self, logs, start_time=None):
+            if "loss" in logs and self.accelerator.is_main_process:
+                logs.update(accounting.step(self.state.global_step))
+            super().log(logs, start_time)
+
     config = AsyncGRPOConfig(
         output_dir=args.output_dir, run_name=args.run_name, project=args.project, report_to=args.report_to,
         learning_rate=args.learning_rate, max_steps=args.max_steps, save_steps=args.save_steps,
@@ -1140,7 +1244,12 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         eos = None
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     eos_ids = [tokenizer.eos_token_id, *[i for i in eos_ids if i != tokenizer.eos_token_id]]
-    dataset = Dataset.from_list(task_rows(tasks, split))
+    dataset = Dataset.from_list(rotate_harnesses(task_rows(tasks, split), harness_names(args.harness)))
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    records = os.path.join(args.output_dir, "rollouts.jsonl")
+    accounting = RolloutAccounting(records, args.num_generations, harness_names(args.harness))
+    reward_fn = functools.partial(harbor_reward, step_limit=args.agent_step_limit,
+                                  efficiency_weight=args.efficiency_weight)
     worker = HarborRolloutWorker(
         model_name=args.model, dataset=dataset, reward_funcs=[],
         processing_class=tokenizer, eos_token_ids=eos_ids, num_generations=args.num_generations,
@@ -1148,11 +1257,11 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         vllm_server_url=args.vllm_url, max_tokens=args.max_completion_length, temperature=args.temperature,
         request_timeout=config.request_timeout,
         harness_session_factory=functools.partial(
-            HarborSessionFactory, harbor_url=args.harbor_url, harness=args.harness, sandbox=args.sandbox,
-            reward_key=args.reward_key, agent_step_limit=args.agent_step_limit,
-            agent_timeout_s=args.agent_timeout, max_consecutive_failures=args.max_consecutive_failures),
-        rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit,
-                                            efficiency_weight=args.efficiency_weight),
+            HarborSessionFactory, harbor_url=args.harbor_url, harness=harness_names(args.harness)[0],
+            sandbox=args.sandbox, reward_key=args.reward_key, agent_step_limit=args.agent_step_limit,
+            agent_timeout_s=args.agent_timeout, max_consecutive_failures=args.max_consecutive_failures,
+            record_path=records, reward_fn=reward_fn),
+        rollout_reward_fn=reward_fn,
     )
     return HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
                              rollout_worker=worker)
