@@ -622,7 +622,6 @@ class HarborSessionFactory(ResourceSessionFactory):
             raise ValueError(redact(
                 f"{ROLLOUTS_FAILING} {count} consecutive rollouts were unscorable; the last: {failure[:300]}"))
 
-
     def _write_record(self, session: HarborSession) -> None:
         if not self.record_path:
             return
