@@ -1018,7 +1018,7 @@ def curate(args: argparse.Namespace, rows: list[dict[str, Any]], source: str) ->
     out.write_text(
         f"# Learnable tasks: pass rate in [{low:g}, {high:g}] (solved sometimes, not always).\n"
         f"# Source: {source}\n# Written: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by async_grpo_harbor.py "
-        f"--curate; use it as --tasks @{out.name}\n" + "".join(f"{t}\n" for t in inside))
+        f"--curate; use it as --tasks @{out}\n" + "".join(f"{t}\n" for t in inside))
     g = args.num_generations
     print_table(f"curate (band {low:g}-{high:g})", {
         "below band (never or rarely solved)": len(below),
