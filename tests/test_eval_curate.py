@@ -11,7 +11,8 @@ import re
 import pytest
 from conftest import POLICY, TASKS, Rig, rollouts, run_script
 
-K = 16  # rollouts per task: a coin task lands outside the 0.1-0.9 band (<= 1 or >= 15 solves) with p = 5e-4
+K = 12  # rollouts per task: a coin task lands outside BAND (0 or 12 solves) with p = 5e-4 each
+BAND = "0.05,0.95"
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +23,8 @@ def eval_tier_rig(tmp_path_factory, tiny_model):
 
 
 def eval_args(rig: Rig, out, *extra: str) -> list[str]:
-    return [*rig.base_args(), "--tasks", TASKS, "--eval-only", "--eval-k", str(K), "--temperature", "0.7",
-            "--agent-step-limit", "6", "--agent-timeout", "60", "--output-dir", str(out), *extra]
+    return [*rig.base_args(), "--tasks", TASKS, "--eval-only", "--eval-k", str(K), "--band", BAND,
+            "--temperature", "0.7", "--agent-step-limit", "6", "--agent-timeout", "60", "--output-dir", str(out), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_eval_only_reproduces_the_solve_probabilities(measured):
     assert all(int(r["k"]) == K and int(r["errors"]) == 0 for r in rows.values()), rows
     assert int(rows["echo-hello"]["solved"]) == K and float(rows["echo-hello"]["pass_rate"]) == 1.0
     assert int(rows["never"]["solved"]) == 0 and float(rows["never"]["pass_rate"]) == 0.0
-    # The two coins pooled: 2K draws at p = 0.5; 4.5 standard deviations is 12.7 of 32, so a count stuck at 0 or 2K
+    # The two coins pooled: 2K draws at p = 0.5; 4.5 standard deviations is 11 of 24, so a count stuck at 0 or 2K
     # (every coin scored alike) fails, a fair one passes except with p < 1e-5.
     coins = int(rows["coin"]["solved"]) + int(rows["coin2"]["solved"])
     assert abs(coins - K * POLICY["tasks"]["coin"] * 2) <= 4.5 * math.sqrt(2 * K * 0.25), coins
