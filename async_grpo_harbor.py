@@ -189,6 +189,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--probe-rollout", action="store_true",
                    help="With the checks: run one rollout of the first task, end to end, to confirm the sandbox, the "
                         "harness, the capture URL and the reward key.")
+
+    g = p.add_argument_group("measure and curate (no trainer, no weights)")
+    g.add_argument("--eval-only", action="store_true",
+                   help="Measure instead of training: --eval-k rollouts per task (and per harness) at --temperature, "
+                        "through the same Harbor server, then write pass_rates.csv to the output dir. Needs no token "
+                        "ids from the engine, so a hosted model served by the Harbor server can be measured too.")
+    g.add_argument("--eval-k", type=int, default=8,
+                   help="Rollouts per task for --eval-only. The pass rate's standard error is sqrt(p(1-p)/k).")
+    g.add_argument("--curate", nargs="?", const="", default=None, metavar="PASS_RATES_CSV",
+                   help="Write a --tasks file of the learnable tasks (pass rate inside --band) from a pass_rates.csv; "
+                        "bare --curate measures first (as --eval-only). Prints how many tasks fall below, inside "
+                        "and above the band, and the fraction of GRPO groups expected to carry signal.")
+    g.add_argument("--band", default="0.1,0.9",
+                   help="LOW,HIGH: pass rates kept by --curate, inclusive. Outside it most groups of --num-generations "
+                        "rollouts score identically and teach nothing.")
+    g.add_argument("--curated-tasks", default="",
+                   help="Where --curate writes the task file. Empty: <output dir>/curated_tasks.txt.")
     return p
 
 
@@ -203,7 +220,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, low in positive.items():
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
-    if args.max_inflight < args.num_generations:
+    args.measure = args.eval_only or args.curate == ""
+    if args.eval_k < 1:
+        raise UsageError(f"--eval-k must be >= 1 (got {args.eval_k})")
+    args.band = parse_band(args.band)
+    if args.max_inflight < args.num_generations and not args.measure:
         raise UsageError(f"--max-inflight ({args.max_inflight}) must be >= --num-generations "
                          f"({args.num_generations}): a group is only scored once all its rollouts finished")
     if not args.temperature > 0:
@@ -225,9 +246,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         stamp = (f"slurm{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID")
                  else f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
         model_short = Path(args.model.rstrip("/")).name
-        args.run_name = f"{model_short}-{args.harness}-{args.sandbox}-{stamp}"
+        args.run_name = f"{model_short}-{args.harness.replace(',', '+')}-{args.sandbox}-{stamp}"
     args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
     return args
+
+
+def parse_band(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--band {text!r}: give two pass rates LOW,HIGH, e.g. 0.1,0.9") from None
+    if not 0 <= low <= high <= 1:
+        raise UsageError(f"--band {text!r}: need 0 <= LOW <= HIGH <= 1")
+    return low, high
 
 
 def print_table(title: str, rows: dict[str, Any]) -> None:
@@ -312,6 +343,21 @@ def task_rows(tasks: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
                      "harbor_split": split, "harbor_task_index": int(t["index"]), "harbor_task_name": t["task_name"]}]}
         for t in tasks
     ]
+
+
+def harness_names(spec: str) -> list[str]:
+    return [name.strip() for name in spec.split(",") if name.strip()]
+
+
+def rotate_harnesses(rows: list[dict[str, Any]], harnesses: list[str]) -> list[dict[str, Any]]:
+    """Every task once per harness per pass over the rows, the harness changing from one row to the next.
+
+    A row is a GRPO group (TRL repeats it for all its generations), so a group never mixes harnesses and its
+    advantages compare like with like; shifting the assignment each pass keeps a task from always meeting the same
+    harness when the task count is a multiple of the harness count.
+    """
+    return [{"prompt": [{**row["prompt"][0], "harbor_harness": harnesses[(i + shift) % len(harnesses)]}]}
+            for shift in range(len(harnesses)) for i, row in enumerate(rows)]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -447,7 +493,11 @@ class HarborSession(ResourceSession):
         self._prompt = prompt
         self._split = prompt[0]["harbor_split"]
         self._task_index = int(prompt[0]["harbor_task_index"])
-        self.label = f"group {group} task {self._task_index} ({prompt[0]['harbor_task_name']})"
+        self.task_name = prompt[0]["harbor_task_name"]
+        self.harness = prompt[0].get("harbor_harness") or factory.harness
+        self.group = group
+        self.label = f"group {group} task {self._task_index} ({self.task_name})"
+        self.train_reward: float | None = None
         self._client = HarborRolloutClient(factory.harbor_url, factory.request_timeout_s)
         self.result: HarborRolloutResult | None = None
         self.failure: str | None = None
@@ -466,12 +516,14 @@ class HarborSession(ResourceSession):
         # A Harbor server restart or a full server must not burn through --max-consecutive-failures in a second:
         # transport failures are retried for a while before this rollout counts as failed.
         deadline = time.monotonic() + f.transport_retry_s
+        # The proxy accepts a training policy only from an engine it captures tokens from; any engine takes an eval one.
+        policy = {"purpose": "eval", "eval_sampling": f.eval_sampling} if f.eval_sampling else {"sampling": f.sampling}
         for attempt in itertools.count():
             try:
                 self.result = self._client.run_rollout(
-                    split=self._split, task_index=self._task_index, harness=f.harness, sandbox=f.sandbox,
+                    split=self._split, task_index=self._task_index, harness=self.harness, sandbox=f.sandbox,
                     reward_key=f.reward_key, agent_timeout_sec=f.agent_timeout_s,
-                    agent_step_limit=f.agent_step_limit, sampling=f.sampling,
+                    agent_step_limit=f.agent_step_limit, **policy,
                 )
                 break
             except Exception as exc:  # noqa: BLE001 - any transport failure is this rollout's failure, judged below
@@ -487,7 +539,7 @@ class HarborSession(ResourceSession):
         fatal = next((x for x in r.findings if "[FATAL" in x), None)
         if not r.ok:
             self.failure = f"{r.exception_type or 'error'}: {r.error}"
-        elif r.rollout_type != "train":
+        elif r.rollout_type != "train" and f.require_tokens:
             self.failure = ("the engine returned no token ids / processed logprobs (eval tier): restart vLLM with "
                             "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
         elif fatal:
@@ -505,6 +557,11 @@ class HarborSession(ResourceSession):
             except (ValueError, TypeError, KeyError) as exc:
                 # One malformed capture is this rollout's problem, not the run's: TRL stops its worker on any of these.
                 self.failure = f"capture rejected: {exc}"
+            else:
+                if self._factory.reward_fn is not None:
+                    # What TRL's rollout reward will be, so the group accounting sees the rewards it trains on.
+                    self.train_reward = self._factory.reward_fn(
+                        RewardInputs(env_reward=self.result.reward, trace=trace.turns, tool_call_count=0))
         self._factory.record_outcome(self)
         return TrainingTrace(turns=[]) if self.failure is not None else trace
 
@@ -528,7 +585,9 @@ class HarborSessionFactory(ResourceSessionFactory):
     """
 
     def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
-                 agent_timeout_s: float, max_consecutive_failures: int, sampling: dict[str, Any] | None = None):
+                 agent_timeout_s: float, max_consecutive_failures: int, sampling: dict[str, Any] | None = None,
+                 require_tokens: bool = True, record_path: str = "", reward_fn: Any = None,
+                 eval_sampling: dict[str, Any] | None = None):
         self.harbor_url = harbor_url
         self.harness = harness
         self.sandbox = sandbox
@@ -540,6 +599,12 @@ class HarborSessionFactory(ResourceSessionFactory):
         self.transport_retry_s = 300.0
         self.max_consecutive_failures = max_consecutive_failures
         self.sampling = dict(sampling or {})
+        # False for --eval-only: a rollout of an engine without token ids is measurable, just not trainable.
+        self.require_tokens = require_tokens
+        self.eval_sampling = dict(eval_sampling or {})
+        # One JSON line per finished rollout, for the trainer's accounting and for the user to read.
+        self.record_path = record_path
+        self.reward_fn = reward_fn
         self._lock = threading.Lock()
         self._consecutive_failures = 0
         self.live_sessions: set[HarborSession] = set()
@@ -581,13 +646,52 @@ class HarborSessionFactory(ResourceSessionFactory):
         with self._lock:
             self._consecutive_failures = 0 if failure is None else self._consecutive_failures + 1
             count = self._consecutive_failures
+        self._write_record(session)
         if failure is None:
-            print(f"[harbor] {session.label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s", flush=True)
+            phases = "".join(f", {name} {seconds:.1f}s" for name, seconds in r.phase_timings.items())
+            stops = f", {r.budget_stop_count} budget stops" if r.budget_stop_count else ""
+            print(f"[harbor] {session.label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
+                  f"{session.harness}{phases}{stops}", flush=True)
             return
-        print(redact(f"[harbor] {session.label}: unscorable: {failure[:300]}"), flush=True)
+        print(redact(f"[harbor] {session.label}: unscorable: {failure[:300]} (harness {session.harness})"), flush=True)
         if count >= self.max_consecutive_failures:
             raise ValueError(redact(
                 f"{ROLLOUTS_FAILING} {count} consecutive rollouts were unscorable; the last: {failure[:300]}"))
+
+    def _write_record(self, session: HarborSession) -> None:
+        if not self.record_path:
+            return
+        r, failure = session.result, session.failure
+        record = {
+            "time": time.time(), "group": session.group, "task": session.task_name,
+            "index": session._task_index, "harness": session.harness, "sandbox": self.sandbox,
+            "reward": r.reward if r is not None and failure is None else None,
+            "train_reward": session.train_reward if failure is None else None,
+            "turns": r.n_turns if r is not None else 0, "wall_s": r.wall_s if r is not None else 0.0,
+            "budget_stops": r.budget_stop_count if r is not None else 0,
+            "phases": dict(r.phase_timings) if r is not None else {},
+            "error": failure_kind(failure), "failure": redact(failure[:300]) if failure else None,
+        }
+        with self._lock, open(self.record_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class RewardInputs:
+    """The fields of TRL's `HarnessRolloutOutcome` that `harbor_reward` reads, for computing it outside TRL."""
+
+    def __init__(self, env_reward: float | None, trace: list, tool_call_count: int):
+        self.env_reward, self.trace, self.tool_call_count = env_reward, trace, tool_call_count
+
+
+def failure_kind(failure: str | None) -> str | None:
+    """A short, countable name for why a rollout was unscorable."""
+    if failure is None:
+        return None
+    for prefix, kind in (("harbor server call failed", "transport"), ("the engine returned no token ids", "eval_tier"),
+                         ("capture", "capture"), ("the verifier produced no reward", "no_reward")):
+        if failure.startswith(prefix):
+            return kind
+    return failure.split(":", 1)[0].strip() or "error"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -772,6 +876,8 @@ def check_run_dir(args: argparse.Namespace, pf: Preflight) -> tuple[bool, str | 
                "give a writable --output-dir (checkpoints and logs go there)")
         return False, None
     pf.add("output dir", PASS, str(out))
+    if args.measure:
+        return True, None
     try:
         resume = resolve_resume(args)
     except UsageError as exc:
@@ -917,15 +1023,16 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
         pf.add("Harbor server", PASS, f"{args.harbor_url} (yours)")
 
     harnesses = {h["name"]: h for h in caps.get("harnesses", [])}
-    harness = harnesses.get(args.harness)
-    if harness is None and ":" not in args.harness:  # `module:Class` is a custom harness the server imports
-        pf.add("harness", FAIL, f"unknown harness {args.harness!r}; this server has: "
-               f"{', '.join(closest_first(args.harness, harnesses))}")
-    elif harness and harness.get("status", "").split(":")[0] in ("blocked", "unsupported"):
-        pf.add("harness", FAIL, f"harness {args.harness!r} cannot run on this server: {harness['status']}",
-               "pick a validated harness")
-    else:
-        pf.add("harness", PASS, f"{args.harness} ({harness.get('status', '?') if harness else 'custom import'})")
+    for name in harness_names(args.harness):
+        harness = harnesses.get(name)
+        if harness is None and ":" not in name:  # `module:Class` is a custom harness the server imports
+            pf.add("harness", FAIL, f"unknown harness {name!r}; this server has: "
+                   f"{', '.join(closest_first(name, harnesses))}")
+        elif harness and harness.get("status", "").split(":")[0] in ("blocked", "unsupported"):
+            pf.add("harness", FAIL, f"harness {name!r} cannot run on this server: {harness['status']}",
+                   "pick a validated harness")
+        else:
+            pf.add("harness", PASS, f"{name} ({harness.get('status', '?') if harness else 'custom import'})")
 
     sandboxes = {s["name"]: s for s in caps.get("sandboxes", [])}
     box = sandboxes.get(args.sandbox)
@@ -942,7 +1049,10 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
         pf.add("sandbox", PASS, f"{args.sandbox} ({box.get('detail') or 'available'})")
 
     llm = caps.get("llm") or {}
-    if llm.get("capture_level") != "tokens" or not llm.get("ok", True):
+    if args.measure:
+        pf.add("server's engine", PASS, f"{llm.get('url')}: {llm.get('capture_level') or '?'} capture (measuring needs "
+               "no token ids)")
+    elif llm.get("capture_level") != "tokens" or not llm.get("ok", True):
         pf.add("server's engine", FAIL, f"the Harbor server's engine {llm.get('url', '?')} cannot be trained on "
                f"(capture level {llm.get('capture_level') or 'unknown'}): vLLM must run with "
                "--return-tokens-as-token-ids and --logprobs-mode processed_logprobs",
@@ -1033,8 +1143,14 @@ def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborSer
     that is wrong."""
     plan: dict[str, Any] = {}
     writable, plan["resume"] = check_run_dir(args, pf)
-    pf.add("GRPO", PASS, f"{args.num_generations} generations per group, {args.max_inflight} rollouts in flight")
-    served = check_engine(args, pf)
+    if args.measure:
+        # Measuring samples through the Harbor server's own engine and loads no weights: the trainer's vLLM, its
+        # weight sync and its capture tier do not matter.
+        pf.add("measure", PASS, f"{args.eval_k} rollouts per task, {args.max_inflight} in flight; no trainer")
+        served = {"id": "", "max_model_len": None}
+    else:
+        pf.add("GRPO", PASS, f"{args.num_generations} generations per group, {args.max_inflight} rollouts in flight")
+        served = check_engine(args, pf)
     if served is None:
         return plan
     plan["max_model_len"] = served["max_model_len"]
@@ -1153,8 +1269,342 @@ def resolve_resume(args: argparse.Namespace) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Measure and curate: pass rates per task, and the tasks that can teach
+# ----------------------------------------------------------------------------------------------------------------------
+PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass_rate", "mean_reward", "mean_turns",
+                     "mean_wall_s", "errors"]
+
+
+class Progress:
+    """tasks done, solve rate so far, rollouts/min and ETA on one line: a tqdm bar when tqdm is installed."""
+
+    def __init__(self, units: int, k: int):
+        self.units, self.k, self.started = units, k, time.monotonic()
+        self.done = self.solved = self.scored = self.units_done = 0
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=units * k, unit="rollout", dynamic_ncols=True, file=sys.stderr)
+        except ImportError:
+            self.bar = None
+
+    def update(self, solved: bool | None, unit_done: bool) -> None:
+        self.done += 1
+        self.scored += solved is not None
+        self.solved += bool(solved)
+        self.units_done += unit_done
+        per_min = self.done / max(time.monotonic() - self.started, 1e-9) * 60
+        rate = f"{self.solved / self.scored:.0%}" if self.scored else "-"
+        status = f"tasks {self.units_done}/{self.units}, solved {rate}, {per_min:.1f} rollouts/min"
+        if self.bar is not None:
+            self.bar.set_postfix_str(status, refresh=False)
+            self.bar.update(1)
+        elif unit_done:
+            eta = (self.units * self.k - self.done) / per_min if per_min else 0
+            print(f"[eval] {status}, ETA {eta:.0f} min", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
+                       llm: dict[str, Any]) -> list[dict[str, Any]]:
+    """--eval-k rollouts of every task (under every harness), through the session code training uses.
+
+    A rollout is solved when the verifier's reward (after --reward-key) is > 0, as OpenEnv's `result.solved` reads
+    it: partial credit counts, and mean_reward says how much. Unscorable rollouts are errors, left out of the pass
+    rate as they are left out of a GRPO baseline. Returns one row per (task, harness) that finished; Ctrl-C or a run
+    of failures keeps what finished.
+    """
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    from openenv.core.harness.capture.upstream import training_sampling
+
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    factory = HarborSessionFactory(
+        harbor_url=args.harbor_url, harness=harness_names(args.harness)[0], sandbox=args.sandbox,
+        reward_key=args.reward_key, agent_step_limit=args.agent_step_limit, agent_timeout_s=args.agent_timeout,
+        max_consecutive_failures=args.max_consecutive_failures,
+        sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
+        # A token-capturing engine samples exactly as in training; any other (a hosted model) at the same temperature.
+        eval_sampling=None if llm.get("capture_level") == "tokens" else {"temperature": args.temperature, "top_p": 1.0},
+        record_path=os.path.join(args.output_dir, "eval_rollouts.jsonl"))
+    units = rotate_harnesses(task_rows(tasks, split), harness_names(args.harness))
+    outcomes: list[list[HarborSession]] = [[] for _ in units]
+    progress = Progress(len(units), args.eval_k)
+
+    def run(unit: int) -> tuple[int, HarborSession]:
+        session = HarborSession(factory, units[unit]["prompt"], unit)
+        factory.live_sessions.add(session)
+        try:
+            session.wait_for_completion()
+            if not session._client.server_session.closed:
+                factory.record_outcome(session)
+            return unit, session
+        finally:
+            session.close()
+
+    stop_reason = None
+    pool = ThreadPoolExecutor(max_workers=args.max_inflight, thread_name_prefix="harbor-eval")
+    pending = set()
+    jobs = iter([unit for unit in range(len(units)) for _ in range(args.eval_k)])
+    try:
+        for job in itertools.islice(jobs, args.max_inflight):
+            pending.add(pool.submit(run, job))
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                try:
+                    unit, session = future.result()
+                except ValueError as exc:  # record_outcome: --max-consecutive-failures reached
+                    stop_reason = str(exc)
+                    raise KeyboardInterrupt from None
+                outcomes[unit].append(session)
+                progress.update(None if session.failure else bool(session.result.solved),
+                                len(outcomes[unit]) == args.eval_k)
+                if (job := next(jobs, None)) is not None:
+                    pending.add(pool.submit(run, job))
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: release the server's slots, keep what finished
+        stop_reason = stop_reason or "interrupted"
+        for session in list(factory.live_sessions):
+            session.close()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        progress.close()
+    rows = [pass_rate_row(units[unit]["prompt"][0], args.sandbox, sessions)
+            for unit, sessions in enumerate(outcomes) if len(sessions) == args.eval_k]
+    if stop_reason:
+        print(redact(f"[eval] stopped early ({stop_reason}); {len(rows)} of {len(units)} tasks fully measured"),
+              file=sys.stderr, flush=True)
+    return rows
+
+
+def pass_rate_row(prompt: dict[str, Any], sandbox: str, sessions: list[HarborSession]) -> dict[str, Any]:
+    scored = [s.result for s in sessions if s.failure is None]
+    solved = sum(r.solved for r in scored)
+
+    def mean(values):
+        return round(sum(values) / len(values), 4) if values else ""
+
+    return {"task": prompt["harbor_task_name"], "index": prompt["harbor_task_index"],
+            "harness": prompt["harbor_harness"], "sandbox": sandbox, "k": len(sessions), "solved": solved,
+            "pass_rate": mean([r.solved for r in scored]), "mean_reward": mean([r.reward for r in scored]),
+            "mean_turns": mean([r.n_turns for r in scored]), "mean_wall_s": mean([r.wall_s for r in scored]),
+            "errors": len(sessions) - len(scored)}
+
+
+def write_pass_rates(path: Path, rows: list[dict[str, Any]]) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=PASS_RATE_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_pass_rates(path: str) -> list[dict[str, Any]]:
+    import csv
+
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as exc:
+        raise UsageError(f"--curate {path}: cannot read it ({exc.strerror}); give a pass_rates.csv written by "
+                         "--eval-only, or a bare --curate to measure first") from None
+    missing = {"task", "k", "solved", "errors"} - set(rows[0] if rows else {})
+    if not rows or missing:
+        raise UsageError(f"--curate {path}: not a pass_rates.csv written by --eval-only "
+                         f"({'no rows' if not rows else 'no column ' + ', '.join(sorted(missing))})")
+    return rows
+
+
+def pass_rates_by_task(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Task -> pass rate over all its scorable rollouts (pooled across harnesses); None when none was scorable."""
+    counts: dict[str, list[int]] = {}
+    for row in rows:
+        solved, scored = counts.setdefault(row["task"], [0, 0])
+        counts[row["task"]] = [solved + int(row["solved"]), scored + int(row["k"]) - int(row["errors"])]
+    return {task: solved / scored if scored else None for task, (solved, scored) in counts.items()}
+
+
+def signal_fraction(rates: list[float], group_size: int) -> float:
+    """Expected fraction of GRPO groups whose rewards are not all equal: P(a group of G mixes solves and fails)."""
+    return sum(1 - p ** group_size - (1 - p) ** group_size for p in rates) / len(rates) if rates else float("nan")
+
+
+def print_pass_rates(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        print("\nno task was fully measured\n", flush=True)
+        return
+    print("\npass rates (solved = verifier reward > 0; errors are unscorable rollouts, left out of the rate)")
+    header = ["task", "harness", "k", "solved", "pass_rate", "mean_reward", "mean_turns", "mean_wall_s", "errors"]
+    widths = {h: max(len(h), *(len(str(r[h])) for r in rows)) for h in header}
+    print("  " + "  ".join(f"{h:<{widths[h]}}" for h in header))
+    for r in rows:
+        print("  " + "  ".join(f"{r[h]!s:<{widths[h]}}" for h in header))
+    scored = sum(int(r["k"]) - int(r["errors"]) for r in rows)
+    solved = sum(int(r["solved"]) for r in rows)
+    print(f"  {len(rows)} tasks, {sum(int(r['k']) for r in rows)} rollouts, {solved}/{scored} solved, "
+          f"{sum(int(r['errors']) for r in rows)} errors\n", flush=True)
+
+
+def curate(args: argparse.Namespace, rows: list[dict[str, Any]], source: str) -> Path:
+    """Write the tasks whose pass rate lies inside --band as a --tasks file; print what the band does to the signal."""
+    low, high = args.band
+    rates = pass_rates_by_task(rows)
+    below = [t for t, p in rates.items() if p is not None and p < low]
+    inside = [t for t, p in rates.items() if p is not None and low <= p <= high]
+    above = [t for t, p in rates.items() if p is not None and p > high]
+    unmeasured = [t for t, p in rates.items() if p is None]
+    out = Path(args.curated_tasks or os.path.join(args.output_dir, "curated_tasks.txt"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        f"# Learnable tasks: pass rate in [{low:g}, {high:g}] (solved sometimes, not always).\n"
+        f"# Source: {source}\n# Written: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by async_grpo_harbor.py "
+        f"--curate; use it as --tasks @{out}\n" + "".join(f"{t}\n" for t in inside))
+    g = args.num_generations
+    print_table(f"curate (band {low:g}-{high:g})", {
+        "below band (never or rarely solved)": len(below),
+        "inside band (kept)": len(inside),
+        "above band (always or nearly always solved)": len(above),
+        "unmeasured (every rollout unscorable)": len(unmeasured),
+        f"groups with reward variance, G={g}, all measured tasks":
+            f"{signal_fraction([p for p in rates.values() if p is not None], g):.1%}",
+        f"groups with reward variance, G={g}, curated tasks": f"{signal_fraction([rates[t] for t in inside], g):.1%}",
+        "written": f"{out} ({len(inside)} tasks)",
+    })
+    if not inside:
+        print(f"warning: no task has a pass rate inside {low:g}-{high:g}; {out} lists none, so --tasks @{out} "
+              "would be refused", file=sys.stderr)
+    return out
+
+
+def run_measure(args: argparse.Namespace, plan: dict[str, Any]) -> int:
+    """--eval-only and --curate: no trainer, no weights, no torch."""
+    if args.curate:
+        curate(args, read_pass_rates(args.curate), args.curate)
+        return 0
+    split, tasks, llm = plan["split"], plan["tasks"], plan["llm"]
+    print_table("async_grpo_harbor --eval-only", {
+        "output dir": args.output_dir, "harbor": args.harbor_url,
+        "engine (server side)": f"{llm.get('url', '?')} capture={llm.get('capture_level', '?')}",
+        "split": split, "tasks": len(tasks), "harness / sandbox": f"{args.harness} / {args.sandbox}",
+        "rollouts per task (and harness)": args.eval_k, "temperature": args.temperature,
+        "max inflight": args.max_inflight, "reward key": args.reward_key or "reward",
+        "agent step limit / timeout": f"{args.agent_step_limit} calls / {args.agent_timeout:g} s",
+    })
+    rows = measure_pass_rates(args, split, tasks, llm)
+    path = Path(args.output_dir) / "pass_rates.csv"
+    write_pass_rates(path, rows)
+    print_pass_rates(rows)
+    print(f"[eval] wrote {path}", flush=True)
+    if args.curate == "":
+        curate(args, [{k: str(v) for k, v in r.items()} for r in rows], str(path))
+    return 0 if len(rows) == len(tasks) * len(harness_names(args.harness)) else 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Trainer
 # ----------------------------------------------------------------------------------------------------------------------
+class RolloutAccounting:
+    """Where a run's time and signal go, per optimizer step: read from the rollout records the factory writes.
+
+    The factory runs in TRL's rollout child, whose only metrics channel takes a fixed set of keys; it appends one JSON
+    line per finished rollout instead, and the trainer folds the lines that arrived since the previous step into its
+    log (trainer_state.json, trackio) and one console line. A group counts once all its generations have finished;
+    it has zero variance when its scorable rewards (the shaped ones TRL trains on) are all equal, so its advantages
+    are all 0 and it teaches nothing. Counts start at this launch.
+    """
+
+    def __init__(self, path: str, num_generations: int, harnesses: list[str]):
+        self.path, self.num_generations, self.harnesses = Path(path), num_generations, harnesses
+        self.offset = self.path.stat().st_size if self.path.is_file() else 0
+        self.pending: dict[Any, list[dict[str, Any]]] = {}
+        self.groups_total = self.zero_total = 0
+        self.by_harness: dict[str, list[int]] = {h: [0, 0] for h in harnesses}  # [groups, zero-variance groups]
+        self.last = time.monotonic()
+
+    def _new_records(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[:data.rfind(b"\n") + 1]  # a line still being written is read next time
+        self.offset += len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+    def step(self, step: int) -> dict[str, float]:
+        records = self._new_records()
+        now, elapsed = time.monotonic(), time.monotonic() - self.last
+        self.last = now
+        scored_groups, zero_groups = [], []
+        for record in records:
+            members = self.pending.setdefault(record["group"], [])
+            members.append(record)
+            if len(members) < self.num_generations:
+                continue
+            del self.pending[record["group"]]
+            rewards = {m["train_reward"] if m["train_reward"] is not None else m["reward"]
+                       for m in members if m["error"] is None}
+            if not rewards:
+                continue  # no sample at all: counted as errors, not as a group that trained on nothing
+            scored_groups.append(record["group"])
+            zero = len(rewards) == 1
+            zero_groups += [record["group"]] if zero else []
+            counts = self.by_harness.setdefault(record["harness"], [0, 0])
+            counts[0] += 1
+            counts[1] += zero
+        self.groups_total += len(scored_groups)
+        self.zero_total += len(zero_groups)
+
+        ok = [r for r in records if r["error"] is None]
+        errors: dict[str, int] = {}
+        for r in records:
+            if r["error"] is not None:
+                errors[r["error"]] = errors.get(r["error"], 0) + 1
+        metrics = {"harbor/rollouts": float(len(records)), "harbor/rollouts_per_min": len(records) / elapsed * 60,
+                   "harbor/sandbox_s_per_step": sum(r["wall_s"] for r in records),
+                   "harbor/errors": float(sum(errors.values())),
+                   "harbor/budget_stops": float(sum(r["budget_stops"] for r in records)),
+                   "harbor/groups": float(len(scored_groups)), "harbor/groups_total": float(self.groups_total),
+                   "harbor/zero_variance_groups_total": float(self.zero_total)}
+        metrics |= {f"harbor/errors/{kind}": float(n) for kind, n in errors.items()}
+        if scored_groups:
+            metrics["harbor/zero_variance_frac"] = len(zero_groups) / len(scored_groups)
+        if self.groups_total:
+            metrics["harbor/zero_variance_frac_cumulative"] = self.zero_total / self.groups_total
+        if ok:
+            metrics |= {"harbor/solve_rate": sum(r["reward"] > 0 for r in ok) / len(ok),
+                        "harbor/wall_s_mean": sum(r["wall_s"] for r in ok) / len(ok),
+                        "harbor/turns_mean": sum(r["turns"] for r in ok) / len(ok)}
+            for phase in {name for r in ok for name in r["phases"]}:
+                timed = [r["phases"][phase] for r in ok if phase in r["phases"]]
+                metrics[f"harbor/phase_s/{phase}"] = sum(timed) / len(timed)
+        if len(self.harnesses) > 1:
+            for harness in self.harnesses:
+                mine = [r for r in records if r["harness"] == harness]
+                mine_ok = [r for r in mine if r["error"] is None]
+                groups, zero = self.by_harness[harness]
+                metrics[f"harbor/{harness}/rollouts"] = float(len(mine))
+                metrics[f"harbor/{harness}/errors"] = float(len(mine) - len(mine_ok))
+                if mine_ok:
+                    metrics[f"harbor/{harness}/solve_rate"] = sum(r["reward"] > 0 for r in mine_ok) / len(mine_ok)
+                    metrics[f"harbor/{harness}/wall_s_mean"] = sum(r["wall_s"] for r in mine_ok) / len(mine_ok)
+                if groups:
+                    metrics[f"harbor/{harness}/zero_variance_frac_cumulative"] = zero / groups
+
+        share = f"{len(zero_groups) / len(scored_groups):.0%}" if scored_groups else "-"
+        total = f"{self.zero_total / self.groups_total:.0%}" if self.groups_total else "-"
+        print(f"[harbor] step {step}: {len(scored_groups)} groups scored "
+              f"({','.join(map(str, scored_groups)) or '-'}), {len(zero_groups)} zero-variance "
+              f"({','.join(map(str, zero_groups)) or '-'}) = {share}; cumulative {self.zero_total}/{self.groups_total} "
+              f"= {total}; {len(records)} rollouts ({metrics['harbor/rollouts_per_min']:.1f}/min), sandbox "
+              f"{metrics['harbor/sandbox_s_per_step']:.0f}s, errors {sum(errors.values())}"
+              + "".join(f" {kind}={n}" for kind, n in errors.items()), flush=True)
+        return metrics
+
+
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     """Stop TRL's rollout child promptly and boundedly.
 
@@ -1328,6 +1778,11 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             publish_checkpoint(staging / name, run_dir / name)
             staging.rmdir()
 
+        def log(self, logs, start_time=None):
+            if "loss" in logs and self.accelerator.is_main_process:
+                logs.update(accounting.step(self.state.global_step))
+            super().log(logs, start_time)
+
     config = AsyncGRPOConfig(
         output_dir=args.output_dir, run_name=args.run_name, project=args.project, report_to=args.report_to,
         learning_rate=args.learning_rate, max_steps=args.max_steps, save_steps=args.save_steps,
@@ -1346,7 +1801,12 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         eos = None
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     eos_ids = [tokenizer.eos_token_id, *[i for i in eos_ids if i != tokenizer.eos_token_id]]
-    dataset = Dataset.from_list(task_rows(tasks, split))
+    dataset = Dataset.from_list(rotate_harnesses(task_rows(tasks, split), harness_names(args.harness)))
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    records = os.path.join(args.output_dir, "rollouts.jsonl")
+    accounting = RolloutAccounting(records, args.num_generations, harness_names(args.harness))
+    reward_fn = functools.partial(harbor_reward, step_limit=args.agent_step_limit,
+                                  efficiency_weight=args.efficiency_weight)
     worker = HarborRolloutWorker(
         model_name=args.model, dataset=dataset, reward_funcs=[],
         processing_class=tokenizer, eos_token_ids=eos_ids, num_generations=args.num_generations,
@@ -1354,11 +1814,11 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         vllm_server_url=args.vllm_url, max_tokens=args.max_completion_length, temperature=args.temperature,
         request_timeout=config.request_timeout,
         harness_session_factory=functools.partial(
-            HarborSessionFactory, harbor_url=args.harbor_url, harness=args.harness, sandbox=args.sandbox,
-            reward_key=args.reward_key, agent_step_limit=args.agent_step_limit,
-            agent_timeout_s=args.agent_timeout, max_consecutive_failures=args.max_consecutive_failures),
-        rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit,
-                                            efficiency_weight=args.efficiency_weight),
+            HarborSessionFactory, harbor_url=args.harbor_url, harness=harness_names(args.harness)[0],
+            sandbox=args.sandbox, reward_key=args.reward_key, agent_step_limit=args.agent_step_limit,
+            agent_timeout_s=args.agent_timeout, max_consecutive_failures=args.max_consecutive_failures,
+            record_path=records, reward_fn=reward_fn),
+        rollout_reward_fn=reward_fn,
     )
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
                                 rollout_worker=worker)
@@ -1375,6 +1835,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         STOP.resume_command = resume_command(sys.argv[1:] if argv is None else argv, args.output_dir)
+        if args.curate:  # from a pass_rates.csv: no server, no engine
+            return run_measure(args, {})
     except UsageError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
@@ -1396,7 +1858,9 @@ def main(argv: list[str] | None = None) -> int:
         if share is not None:
             code, plan, args.run_name, args.output_dir, args.harbor_url = share(
                 (code, plan, args.run_name, args.output_dir, args.harbor_url))
-        return code if code is not None else train(args, plan, server)
+        if code is not None:
+            return code
+        return run_measure(args, plan) if args.measure else train(args, plan, server)
     except KeyboardInterrupt:
         print(f"\n[harbor] interrupted; checkpoints so far are in {args.output_dir}", file=sys.stderr)
         return 130

@@ -75,6 +75,43 @@ def test_trainable_tokens_reach_the_loss(trained):
     assert all(e["batch/trained_tokens_per_step"] > 0 for e in log_history(out))
 
 
+STEP_ACCOUNT = re.compile(r"\[harbor\] step (\d+): (\d+) groups scored \(([\d,]+|-)\), (\d+) zero-variance "
+                          r"\(([\d,]+|-)\)")
+
+
+def test_zero_variance_accounting_matches_the_rewards_produced(trained):
+    # Each step names the groups that finished since the previous one and those whose rewards were all equal; both
+    # are checked against the rewards the rollouts printed as they finished, and against the logged fractions.
+    proc, out, _, _ = trained
+    produced = defaultdict(list)
+    for group, _, reward in rollouts(proc.stdout):
+        produced[group].append(reward)
+    history = {e["step"]: e for e in log_history(out)}
+    steps = STEP_ACCOUNT.findall(proc.stdout)
+    assert [int(s[0]) for s in steps] == [1, 2, 3], proc.stdout[-3000:]
+    groups = zero = 0
+    for step, _, scored, _, flat in steps:
+        scored, flat = ([int(g) for g in ids.split(",")] if ids != "-" else [] for ids in (scored, flat))
+        assert all(len(produced[g]) == 4 for g in scored), "a group counted before all its generations finished"
+        assert flat == [g for g in scored if len({r for r in produced[g] if r is not None}) == 1]
+        groups, zero = groups + len(scored), zero + len(flat)
+        logged = history[int(step)]
+        assert logged.get("harbor/zero_variance_frac") == (len(flat) / len(scored) if scored else None)
+        assert logged.get("harbor/zero_variance_frac_cumulative") == (zero / groups if groups else None)
+        assert logged["harbor/groups_total"] == groups and logged["harbor/zero_variance_groups_total"] == zero
+    assert zero > 0, "echo-hello and never score alike in every group"
+
+
+def test_rollout_time_is_accounted_per_step(trained):
+    proc, out, _, _ = trained
+    history = log_history(out)
+    assert sum(e["harbor/rollouts"] for e in history) <= len(rollouts(proc.stdout))
+    assert all(e["harbor/errors"] == 0 for e in history)
+    timed = [e for e in history if e["harbor/rollouts"]]
+    assert timed and all(e["harbor/sandbox_s_per_step"] > 0 and e["harbor/rollouts_per_min"] > 0 for e in timed)
+    assert all(e["harbor/turns_mean"] >= 1 and 0 <= e["harbor/solve_rate"] <= 1 for e in timed)
+
+
 def test_concurrent_rollouts_run_side_by_side(trained):
     # One client per session: with --max-inflight 4, Harbor trials of this run overlap in time on the server.
     _, out, _, before = trained

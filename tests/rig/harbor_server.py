@@ -13,6 +13,9 @@ Every argument goes to `openenv harbor serve` unchanged; this file only adds two
 2. The mini-swe-agent install step is skipped when the sandbox already has the agent. Harbor's
    `install()` fetches uv and a Python from GitHub, which this machine cannot reach; the run command
    itself stays Harbor's own.
+3. A second harness name, `mini-swe-agent-twin`: mini-swe-agent again, under its own seam. Every other
+   harness installs itself from the network, which this machine cannot reach; rotating between two names
+   is what the tests need, and the twin runs the real agent with the real wiring.
 
 Session slots: OpenEnv sizes them from `MAX_CONCURRENT_ENVS` (default 4), one per connected client.
 """
@@ -86,11 +89,25 @@ def skip_preinstalled_agent_install() -> None:
     MiniSweAgent.install = install_unless_present
 
 
+TWIN_HARNESS = "mini-swe-agent-twin"
+
+
+def register_twin_harness() -> None:
+    from dataclasses import replace
+
+    from openenv.harbor import seams
+
+    # Harbor builds an agent from `import_path` when set, so the twin needs no name in Harbor's own registry.
+    seams.SEAMS[TWIN_HARNESS] = replace(seams.SEAMS["mini-swe-agent"], name=TWIN_HARNESS,
+                                        import_path="harbor.agents.installed.mini_swe_agent:MiniSweAgent")
+
+
 def main() -> None:
     # Offline machine: otherwise Harbor's litellm import spends ~7 s retrying GitHub for a cost map.
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     register_local_sandbox()
     skip_preinstalled_agent_install()
+    register_twin_harness()
     from openenv.cli.__main__ import main as openenv_main
 
     sys.argv = ["openenv", "harbor", "serve", *sys.argv[1:]]
