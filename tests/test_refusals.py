@@ -76,7 +76,7 @@ def test_output_dir_of_another_run_needs_resume(rig, tmp_path):
 
 def test_resume_without_checkpoint_says_what_it_looked_for(rig, tmp_path):
     proc = run_script([*rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--resume"], cwd=tmp_path)
-    assert_refused(proc, "no checkpoint-N/trainer_state.json in out")
+    assert_refused(proc, "--resume: no checkpoint-N in out")
 
 
 def test_engine_without_token_ids_is_refused(make_rig, tmp_path):

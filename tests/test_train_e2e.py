@@ -9,10 +9,9 @@ import re
 import urllib.request
 from collections import defaultdict
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
-from conftest import MAX_MODEL_LEN, SECRETS, TASKS, embedded, log_history, rollouts, run_script, train_args
+from conftest import MAX_MODEL_LEN, SECRETS, embedded, log_history, rollouts, run_script, train_args
 from safetensors.torch import load_file
 
 @pytest.fixture(scope="module")
@@ -153,20 +152,3 @@ def test_no_secret_reaches_output_logs_or_trackio(trained):
         assert value not in proc.stdout + proc.stderr
         assert not [p for p in written if value.encode() in p.read_bytes()]
 
-
-def test_resume_continues_the_task_order(trained, tmp_path):
-    proc, out, rig, _ = trained
-    tasks = TASKS.split(",")
-    # A checkpoint whose position is not a multiple of the task count, so a resume that restarted at task 0 shows.
-    checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    states = {c: json.loads((c / "rollout_state.json").read_text()) for c in checkpoints}
-    checkpoint = next(c for c, state in states.items() if state["prompt_index"] % len(tasks))
-    step, position = int(checkpoint.name.split("-")[1]), states[checkpoint]["prompt_index"]
-    args, env = embedded(train_args(rig, out, "--max-steps", str(step + 1), "--save-steps", "1",
-                                    "--resume", str(checkpoint)), tmp_path)
-    resumed = run_script(args, cwd=tmp_path, **env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    # Group ids restart at 0 in the resumed run; its task order starts at the saved position.
-    first_groups = sorted({(group, name) for group, name, _ in rollouts(resumed.stdout)})
-    assert [name for _, name in first_groups[:2]] == [tasks[(position + i) % len(tasks)] for i in range(2)]
-    assert log_history(out, step + 1)[-1]["step"] == step + 1
