@@ -170,6 +170,9 @@ def make_worker(rig: Rig, model_dir: Path, tasks: list, n: int):
 def through_factory(rig: Rig, model_dir: Path, tasks: list, n: int, count: int, on_started=None) -> Window:
     """Counts rollouts the worker finished (one `rollout/duration_s` metric each) while draining its sample queue
     as the trainer would, so back-pressure never throttles it."""
+    from accelerate.state import PartialState
+
+    PartialState()  # TRL's worker logs through accelerate, which the trainer has initialised by then
     w = Window(n, count)
     worker = make_worker(rig, model_dir, tasks, n)
     worker.start()
@@ -291,7 +294,7 @@ def factory_overhead(rig: Rig, spec: dict, reps: int = 20) -> dict:
         c.close()
 
     parts = {
-        "client construct+close (HarborEnv base, httpx)": timed(client_cycle),
+        "client construct+close (HarborRolloutClient)": timed(client_cycle),
         "session create+close over HTTP (2 connects)": timed(session_cycle),
         "reply JSON decode (MCP envelope)": timed(lambda: json.loads(body)),
         "result parse (pydantic, HarborRolloutResult)": timed(lambda: HarborRolloutResult.model_validate_json(
@@ -318,7 +321,7 @@ def script_run(rig: Rig, model_dir: Path, workdir: Path, max_steps: int) -> dict
     marks: dict[str, float] = {}
     for name, t in re.findall(r"^bench-mark (\w+) ([\d.]+)$", proc.stdout, re.M):
         marks[name] = float(t)  # the last step_end / save_end wins
-    marks_first = dict(reversed(re.findall(r"^bench-mark (\w+) ([\d.]+)$", proc.stdout, re.M)))
+    marks_first = {k: float(v) for k, v in reversed(re.findall(r"^bench-mark (\w+) ([\d.]+)$", proc.stdout, re.M))}
     stop = re.search(r"rollout worker exited on its own in ([\d.]+)s", proc.stdout)
     model_load = marks["build_end"] - marks["build_start"]
     return {
