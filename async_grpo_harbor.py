@@ -51,9 +51,13 @@ import os
 import queue
 import re
 import secrets
+import shlex
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -91,8 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Base URL of `vllm serve` (no /v1). The trainer pushes weights there over NCCL.")
 
     g = p.add_argument_group("harbor")
-    g.add_argument("--harbor-url", default="http://localhost:8001",
-                   help="Base URL of `openenv harbor serve`. One long-lived server serves every rollout.")
+    g.add_argument("--harbor-url", default="",
+                   help="Base URL of a running `openenv harbor serve` to use. Empty: this script starts its own on "
+                        "127.0.0.1 for --dataset and --vllm-url, and stops it when it exits.")
+    g.add_argument("--harbor-command", default=f"{sys.executable} -m openenv.cli harbor serve",
+                   help="Without --harbor-url: the command that runs `openenv harbor serve` (its options are "
+                        "appended), e.g. `uvx --python 3.12 --from openenv[harbor]==0.10.0 openenv harbor serve`.")
+    g.add_argument("--harbor-expose", default="direct", choices=["direct", "cloudflare", "gradio"],
+                   help="Without --harbor-url: how sandboxes reach the capture proxy. direct advertises 127.0.0.1, "
+                        "for sandboxes on this host (docker); cloud sandboxes (e2b) need a tunnel: cloudflare "
+                        "(needs cloudflared) or gradio. Tunnels admit only per-rollout session keys.")
     g.add_argument("--dataset", default=DEFAULT_DATASET,
                    help="Harbor dataset spec the server serves (HF repo, dir or name@version); selects the server "
                         "split. Default: 2,238 verified data-analysis tasks built for RL.")
@@ -162,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="Resume trainer state and task position: bare `--resume` takes the latest checkpoint in the "
                         "output dir; or give a checkpoint path.")
+    g.add_argument("--check", action="store_true",
+                   help="Run the preflight checks (vLLM, Harbor server, sandbox, tasks, run dir), print their table "
+                        "and exit: 0 when nothing FAILs. The same checks run before every training run.")
+    g.add_argument("--probe-rollout", action="store_true",
+                   help="With the checks: run one rollout of the first task, end to end, to confirm the sandbox, the "
+                        "harness, the capture URL and the reward key.")
     return p
 
 
@@ -186,6 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError("--max-staleness, --agent-timeout and --efficiency-weight must be >= 0")
     args.vllm_url = args.vllm_url.rstrip("/").removesuffix("/v1")
     args.harbor_url = args.harbor_url.rstrip("/")
+    if args.probe_rollout and not args.check:
+        raise UsageError("--probe-rollout is part of --check; add --check")
     if not args.run_name:
         stamp = (f"slurm{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID")
                  else f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
@@ -579,8 +599,131 @@ def harbor_reward(outcome: Any, *, step_limit: int, efficiency_weight: float) ->
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Preflight: refuse a setup that would train on nothing, before loading any weights
+# The Harbor server: the user's (--harbor-url), or one this script starts and owns
 # ----------------------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # The kernel stops the server if this process is killed outright (SIGKILL, OOM), when no cleanup of ours runs.
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class EmbeddedHarborServer:
+    """`openenv harbor serve` as a child of this process, so one command runs everything after `vllm serve`.
+
+    Bound to 127.0.0.1, with `--expose direct` unless --harbor-expose says otherwise: OpenEnv's default (gradio)
+    opens a public tunnel nobody asked for. Its session slots are sized from --max-inflight, its per-turn cap is
+    --max-completion-length, its log goes to the output dir, and it is stopped on every way out of `main`.
+    """
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.log_path = Path(args.output_dir) / "harbor_server.log"
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self, served_model: str, timeout_s: float = 1800.0) -> float:
+        """Start the server and wait until its Task API answers; returns the seconds that took."""
+        a = self.args
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = shlex.split(a.harbor_command) + [
+            "--dataset", a.dataset, "--llm-url", f"{a.vllm_url}/v1", "--host", "127.0.0.1", "--port", str(port),
+            "--capture-port", str(free_port()), "--expose", a.harbor_expose,
+            "--max-output-tokens", str(a.max_completion_length)]
+        if served_model:
+            cmd += ["--model", served_model]
+        slots = max(2 * a.max_inflight, int(os.environ.get("MAX_CONCURRENT_ENVS", "0") or 0))
+        t0 = time.monotonic()
+        with self.log_path.open("a") as log:
+            log.write(f"\n===== {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: {shlex.join(cmd)}\n")
+            log.flush()
+            try:
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env={**os.environ, "MAX_CONCURRENT_ENVS": str(slots)},
+                                             start_new_session=True, preexec_fn=_die_with_parent)
+            except OSError as exc:
+                raise UsageError(f"cannot start the Harbor server `{shlex.join(cmd[:4])}` ({exc.strerror}); "
+                                 "install openenv[harbor] (Python >= 3.12) or set --harbor-command") from None
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise UsageError(f"the Harbor server exited with code {self.proc.returncode} while starting; the "
+                                 f"end of {self.log_path}:\n{self.log_tail()}")
+            try:
+                http_json(f"{self.url}/harbor_env/splits", timeout=5)
+                return time.monotonic() - t0
+            except (OSError, ValueError):
+                time.sleep(0.5)
+        self.stop()
+        raise UsageError(f"the Harbor server did not answer within {timeout_s:.0f}s; see {self.log_path}")
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return redact("\n".join(f"    {line}" for line in tail))
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Preflight (`--check`, and before every run): refuse a setup that would train on nothing, before loading any weights
+# ----------------------------------------------------------------------------------------------------------------------
+PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
+# Harbor backends whose sandboxes run off this host: they cannot reach a capture proxy advertised as 127.0.0.1.
+OFF_HOST_SANDBOXES = {"e2b", "modal", "daytona", "runloop", "langsmith", "ec2", "gke", "ack", "openshift", "novita",
+                      "islo", "tensorlake", "cwsandbox", "use-computer", "cua-cloud", "blaxel", "beam", "skypilot",
+                      "hf-sandbox", "hyperbrowser", "vercel", "prime", "mosaic", "sail", "kernel"}
+# What each cloud backend reads from the environment of the process that starts it (the Harbor server).
+SANDBOX_CREDENTIALS = {"e2b": "E2B_API_KEY", "daytona": "DAYTONA_API_KEY", "runloop": "RUNLOOP_API_KEY"}
+
+
+class Preflight:
+    """One row per check: PASS, WARN (trains, but read this), FAIL (will not train; the fix is on the row) or SKIP."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, str, str, str]] = []
+
+    def add(self, check: str, status: str, detail: str, fix: str = "") -> bool:
+        self.rows.append((check, status, redact(detail), fix))
+        return status != FAIL
+
+    @property
+    def failures(self) -> list[tuple[str, str, str, str]]:
+        return [row for row in self.rows if row[1] == FAIL]
+
+    def print(self) -> None:
+        width = max(len(row[0]) for row in self.rows)
+        lines = []
+        for check, status, detail, fix in self.rows:
+            lines.append(f"  {status}  {check:<{width}}  {detail}")
+            if fix and status in (WARN, FAIL):
+                lines.append(f"        {'':<{width}}  fix: {fix}")
+        print("\npreflight\n" + "\n".join(lines) + "\n", flush=True)
+
+    def error_line(self) -> str:
+        _, _, detail, fix = self.failures[0]
+        more = len(self.failures) - 1
+        return (f"error: {detail}" + (f"; {fix}" if fix else "")
+                + (f" (and {more} more failed check{'s' * (more > 1)} above)" if more else ""))
+
+
 def closest_first(name: str, choices: Any) -> list[str]:
     return difflib.get_close_matches(name, list(choices), n=len(choices), cutoff=0)
 
@@ -590,7 +733,7 @@ def harbor_environment_types() -> set[str]:
     try:
         from harbor.models.environment_type import EnvironmentType
     except ImportError:
-        return set()
+        return OFF_HOST_SANDBOXES | {"docker", "podman"}
     return {t.value for t in EnvironmentType}
 
 
@@ -604,52 +747,209 @@ def http_json(url: str, timeout: float = 10.0) -> Any:
         return json.loads(reply.read())
 
 
-def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+def check_run_dir(args: argparse.Namespace, pf: Preflight) -> tuple[bool, str | None]:
+    out = Path(args.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        pf.add("output dir", FAIL, f"cannot write to {out} ({exc.strerror})",
+               "give a writable --output-dir (checkpoints and logs go there)")
+        return False, None
+    pf.add("output dir", PASS, str(out))
+    try:
+        resume = resolve_resume(args)
+    except UsageError as exc:
+        pf.add("resume", FAIL, str(exc))
+        return True, None
+    pf.add("resume", PASS, resume or "fresh start")
+    return True, resume
+
+
+def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | None:
+    """vLLM as the trainer needs it: the right model, trainable captures, tool calls, weight sync, enough context."""
+    from openenv.core.harness.capture.validate_llm import validate_llm
+
+    serve_hint = "start it first (the `vllm serve` command in this script's docstring) or fix --vllm-url"
     try:
         served = http_json(f"{args.vllm_url}/v1/models")["data"][0]
     except (OSError, ValueError, KeyError, IndexError) as exc:
-        raise UsageError(f"vLLM is not reachable at {args.vllm_url} ({exc}); start it first (see the `vllm serve` "
-                         "command in this script's docstring) or fix --vllm-url") from None
+        pf.add("vLLM reachable", FAIL, f"vLLM is not reachable at {args.vllm_url} ({exc})", serve_hint)
+        return None
+    pf.add("vLLM reachable", PASS, f"{args.vllm_url} serves {served['id']}")
+
+    names = {served["id"], served.get("root") or ""}
+    if args.model in names or Path(args.model.rstrip("/")).name in {Path(n.rstrip("/")).name for n in names if n}:
+        pf.add("served model", PASS, f"--model {args.model} is what vLLM serves")
+    else:
+        pf.add("served model", FAIL, f"vLLM serves {served.get('root') or served['id']} but --model is {args.model}: "
+               "the trainer would push its weights into another model", "serve --model with vLLM, or fix --model")
+
+    report = validate_llm(args.vllm_url, served["id"], timeout=60.0)
+    flags = {"text": "--return-tokens-as-token-ids --logprobs-mode processed_logprobs",
+             "logprobs": "--return-tokens-as-token-ids"}
+    if report.logprobs_mode == "raw":
+        pf.add("capture tier", FAIL, "the engine returns raw (pre-temperature) logprobs: every importance ratio would "
+               "be wrong, so the proxy grades its rollouts eval tier", "restart vLLM with --logprobs-mode "
+               "processed_logprobs")
+    elif report.capture_level != "tokens":
+        pf.add("capture tier", FAIL, f"the engine's rollouts would be eval tier ({report.capture_level or 'nothing'} "
+               "captured, no token ids): nothing to train on",
+               f"restart vLLM with {flags.get(report.capture_level, flags['text'])}")
+    elif report.logprobs_mode != "processed":
+        pf.add("capture tier", WARN, "train: token ids + logprobs, but whether they are processed (temperature-"
+               "scaled) could not be measured", "make sure vLLM runs with --logprobs-mode processed_logprobs")
+    else:
+        pf.add("capture tier", PASS, "train: token ids + processed logprobs")
+    tools = {"ok": (PASS, "a tool call round-trips"),
+             "rejected": (FAIL, "vLLM refuses tool calls, which every agent harness makes"),
+             "no-tool-call": (WARN, "the model answered a tool request in prose"),
+             "unknown": (WARN, "could not tell whether tool calls work")}
+    status, detail = tools.get(report.tool_support, (WARN, "not probed"))
+    pf.add("tool calls", status, detail,
+           "serve with --enable-auto-tool-choice --tool-call-parser <the parser of your model family, hermes for Qwen3>")
+
+    try:
+        config = http_json(f"{args.vllm_url}/server_info?config_format=json")["vllm_config"]
+    except (OSError, ValueError, KeyError):
+        pf.add("weight transfer", FAIL, "vLLM's dev endpoints are off: the trainer cannot push weights after a step",
+               "restart vLLM with VLLM_SERVER_DEV_MODE=1 in its environment")
+        config = None
+    if config is not None:
+        transfer = config.get("weight_transfer_config")
+        if transfer:
+            pf.add("weight transfer", PASS, f"enabled ({transfer.get('backend', '?')})")
+        else:
+            pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push weights",
+                   "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}'")
+        check_dtype(args, pf, str((config.get("model_config") or {}).get("dtype", "")).removeprefix("torch."))
+
+    max_len = served.get("max_model_len") or (config or {}).get("model_config", {}).get("max_model_len")
+    worst = args.agent_step_limit * args.max_completion_length
+    if not max_len:
+        pf.add("context", WARN, "vLLM did not report its max_model_len")
+    elif worst > max_len:
+        pf.add("context", WARN, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} > "
+               f"vLLM's max_model_len {max_len:,}: a rollout that uses its whole budget ends at the context limit",
+               "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
+    else:
+        pf.add("context", PASS, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens fit "
+               f"max_model_len {max_len:,} (also TRL's token budget per micro-batch)")
+    served["max_model_len"] = max_len
+    return served
+
+
+def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str) -> None:
+    import torch
+
+    # TRL keeps float32 master weights (its default dtype) and, on GPUs, scores under bfloat16 autocast.
+    trains_at = "bfloat16" if torch.cuda.is_available() else "float32"
+    if not served_dtype:
+        pf.add("dtype", WARN, "vLLM did not report its dtype")
+    elif served_dtype == trains_at:
+        pf.add("dtype", PASS, f"vLLM serves {served_dtype}, the trainer scores at {trains_at}")
+    else:
+        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, the trainer scores at {trains_at} (TRL warns about this "
+               "too): the precision gap shows up as importance-ratio noise, clipped, not as a bias",
+               f"for the closest match serve with --dtype {trains_at}")
+
+
+def check_sandbox_reach(args: argparse.Namespace, pf: Preflight) -> bool:
+    """Before starting our own server: what only this process can see (its environment, its PATH)."""
+    var = SANDBOX_CREDENTIALS.get(args.sandbox)
+    if var and not os.environ.get(var):
+        return pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would fail to start",
+                      f"export {var} before launching (the Harbor server this script starts inherits it)")
+    if args.dataset == DEFAULT_DATASET and not os.environ.get("HF_TOKEN"):
+        pf.add("credentials", WARN, "HF_TOKEN is not set: the default suite's tasks fetch their data with it",
+               "export HF_TOKEN")
+    else:
+        pf.add("credentials", PASS, f"{var} set" if var else f"{args.sandbox} needs none that this script knows of")
+    if args.harbor_expose == "direct" and args.sandbox in OFF_HOST_SANDBOXES:
+        return pf.add("capture URL", FAIL, f"{args.sandbox} sandboxes run off this host and cannot reach the capture "
+                      "proxy at 127.0.0.1 (--harbor-expose direct)",
+                      "--harbor-expose cloudflare (a tunnel that admits only per-rollout session keys)")
+    if args.harbor_expose == "cloudflare" and not shutil.which("cloudflared"):
+        return pf.add("capture URL", FAIL, "--harbor-expose cloudflare needs `cloudflared` on PATH",
+                      "install cloudflared, or use --harbor-expose gradio")
+    pf.add("capture URL", PASS, f"--expose {args.harbor_expose}")
+    return True
+
+
+def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any],
+                 server: EmbeddedHarborServer | None) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+    """The server's splits and its engine report, once harness, sandbox and session slots are known to work."""
+    if server is not None:
+        try:
+            seconds = server.start(served["id"])
+        except UsageError as exc:
+            pf.add("Harbor server", FAIL, str(exc), "fix the cause in the log, or pass --harbor-url")
+            return None
+        args.harbor_url = server.url
+        pf.add("Harbor server", PASS, f"started {server.url} in {seconds:.0f}s (log: {server.log_path})")
     client = HarborEnv(base_url=args.harbor_url)
     try:
         splits = client.splits()
         caps = client.capabilities()
     except Exception as exc:  # noqa: BLE001 - any failure here means the same thing to the user
-        raise UsageError(f"Harbor server not reachable at {args.harbor_url} ({type(exc).__name__}: {exc}); start "
-                         "`openenv harbor serve ... --expose direct` or fix --harbor-url") from None
+        pf.add("Harbor server", FAIL, f"Harbor server not reachable at {args.harbor_url} ({type(exc).__name__}: "
+               f"{exc})", "start `openenv harbor serve ... --expose direct`, fix --harbor-url, or drop --harbor-url "
+               "to let this script start one")
+        return None
     finally:
         client.close()
+    if server is None:
+        pf.add("Harbor server", PASS, f"{args.harbor_url} (yours)")
 
     harnesses = {h["name"]: h for h in caps.get("harnesses", [])}
     harness = harnesses.get(args.harness)
     if harness is None and ":" not in args.harness:  # `module:Class` is a custom harness the server imports
-        raise UsageError(f"unknown harness {args.harness!r}; this server has: "
-                         f"{', '.join(closest_first(args.harness, harnesses))}")
-    if harness and harness.get("status", "").split(":")[0] in ("blocked", "unsupported"):
-        raise UsageError(f"harness {args.harness!r} cannot run on this server: {harness['status']}")
+        pf.add("harness", FAIL, f"unknown harness {args.harness!r}; this server has: "
+               f"{', '.join(closest_first(args.harness, harnesses))}")
+    elif harness and harness.get("status", "").split(":")[0] in ("blocked", "unsupported"):
+        pf.add("harness", FAIL, f"harness {args.harness!r} cannot run on this server: {harness['status']}",
+               "pick a validated harness")
+    else:
+        pf.add("harness", PASS, f"{args.harness} ({harness.get('status', '?') if harness else 'custom import'})")
+
     sandboxes = {s["name"]: s for s in caps.get("sandboxes", [])}
     box = sandboxes.get(args.sandbox)
     if box is None and args.sandbox in harbor_environment_types():
-        print(f"warning: the Harbor server does not advertise sandbox {args.sandbox!r}, so its credentials could not "
-              "be checked before training", file=sys.stderr)
+        pf.add("sandbox", WARN, f"the Harbor server does not advertise {args.sandbox!r}, so its credentials were "
+               "not checked", "run `openenv harbor info` on the server")
     elif box is None:
-        raise UsageError(f"unknown sandbox {args.sandbox!r}; this server has: "
-                         f"{', '.join(closest_first(args.sandbox, sandboxes))}")
+        pf.add("sandbox", FAIL, f"unknown sandbox {args.sandbox!r}; this server has: "
+               f"{', '.join(closest_first(args.sandbox, sandboxes))}")
     elif not box.get("available"):
-        raise UsageError(f"sandbox {args.sandbox!r} is not usable on the Harbor server: {box.get('detail', '')}")
+        pf.add("sandbox", FAIL, f"sandbox {args.sandbox!r} is not usable on the Harbor server: {box.get('detail', '')}",
+               "set its credentials in the Harbor server's environment")
+    else:
+        pf.add("sandbox", PASS, f"{args.sandbox} ({box.get('detail') or 'available'})")
+
     llm = caps.get("llm") or {}
     if llm.get("capture_level") != "tokens" or not llm.get("ok", True):
-        raise UsageError(
-            f"the Harbor server's engine {llm.get('url', '?')} cannot be trained on (capture level "
-            f"{llm.get('capture_level') or 'unknown'}): vLLM must run with --return-tokens-as-token-ids and "
-            "--logprobs-mode processed_logprobs so the proxy gets token ids and processed logprobs")
+        pf.add("server's engine", FAIL, f"the Harbor server's engine {llm.get('url', '?')} cannot be trained on "
+               f"(capture level {llm.get('capture_level') or 'unknown'}): vLLM must run with "
+               "--return-tokens-as-token-ids and --logprobs-mode processed_logprobs",
+               "restart vLLM with those flags, then the Harbor server")
+    elif endpoint(llm.get("url", "")) != endpoint(args.vllm_url):
+        pf.add("server's engine", WARN, f"the Harbor server samples from {llm.get('url')} but weights go to "
+               f"{args.vllm_url}: if they are not the same server, training is off-policy",
+               "point both at the same vLLM")
+    else:
+        pf.add("server's engine", PASS, f"{llm.get('url')} (tokens), the vLLM weights go to")
 
-    check_session_capacity(args.harbor_url, args.max_inflight)
+    try:
+        check_session_capacity(args.harbor_url, args.max_inflight)
+        pf.add("session slots", PASS, f">= {args.max_inflight} free (--max-inflight)")
+    except UsageError as exc:
+        pf.add("session slots", FAIL, str(exc))
+    return splits, caps.get("llm") or {}
 
-    if endpoint(llm.get("url", "")) != endpoint(args.vllm_url):
-        print(f"warning: the Harbor server samples from {llm.get('url')} but weights go to {args.vllm_url}; if they "
-              "are not the same server, training is off-policy", file=sys.stderr)
 
+def check_tasks(args: argparse.Namespace, pf: Preflight,
+                splits: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]] | None:
     names = [s["name"] for s in splits]
     if args.split:
         split = args.split
@@ -659,18 +959,83 @@ def preflight(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict
         # A server started on a local copy of the default suite names its split by path.
         split = names[0] if len(names) == 1 and args.dataset == DEFAULT_DATASET else ""
     if split not in names:
-        raise UsageError(f"the Harbor server does not serve {args.split or args.dataset!r}; it serves: "
-                         f"{', '.join(names) or 'nothing'}. Start it with --dataset {args.dataset} or pass --split")
+        pf.add("dataset", FAIL, f"the Harbor server does not serve {args.split or args.dataset!r}; it serves: "
+               f"{', '.join(names) or 'nothing'}",
+               f"start it with --dataset {args.dataset}, pass --split, or drop --harbor-url")
+        return None
     split_info = next(s for s in splits if s["name"] == split)
     if split_info.get("error"):
-        raise UsageError(f"the Harbor server could not load {split!r}: {split_info['error']}")
+        pf.add("dataset", FAIL, f"the Harbor server could not load {split!r}: {split_info['error']}")
+        return None
+    pf.add("dataset", PASS, f"{split} ({split_info.get('num_tasks', '?')} tasks)")
     if args.tasks == DEFAULT_TASKS and split != DEFAULT_DATASET and args.dataset != DEFAULT_DATASET:
-        raise UsageError(f"--tasks: the default task list is for {DEFAULT_DATASET}; give the tasks of "
-                         f"{split!r} (e.g. --tasks 0-99)")
-    catalogue = fetch_catalogue(args.harbor_url, split)
-    tasks = resolve_tasks(read_task_spec(args.tasks), catalogue)
-    llm["max_model_len"] = served.get("max_model_len")
-    return split, tasks, llm
+        pf.add("tasks", FAIL, f"--tasks: the default task list is for {DEFAULT_DATASET}",
+               f"give the tasks of {split!r} (e.g. --tasks 0-99)")
+        return None
+    try:
+        tasks = resolve_tasks(read_task_spec(args.tasks), fetch_catalogue(args.harbor_url, split))
+    except UsageError as exc:
+        pf.add("tasks", FAIL, str(exc))
+        return None
+    pf.add("tasks", PASS, f"{len(tasks)}: {', '.join(t['task_name'] for t in tasks[:5])}"
+           f"{', ...' if len(tasks) > 5 else ''}")
+    return split, tasks
+
+
+def check_reward(args: argparse.Namespace, pf: Preflight, split: str, task: dict[str, Any]) -> None:
+    """One real rollout, scored by the verifier: proves sandbox, harness, capture URL and reward key end to end."""
+    key = args.reward_key or "reward"
+    if not args.probe_rollout:
+        pf.add("reward key", SKIP, f"{key!r}: not probed (`--check --probe-rollout` runs one rollout to confirm it)")
+        return
+    client = HarborRolloutClient(args.harbor_url, (args.agent_timeout or 3600.0) + 1800.0)
+    t0 = time.monotonic()
+    try:
+        r = client.run_rollout(split=split, task_index=int(task["index"]), harness=args.harness, sandbox=args.sandbox,
+                               reward_key=args.reward_key, agent_timeout_sec=args.agent_timeout,
+                               agent_step_limit=args.agent_step_limit, sampling={"temperature": args.temperature})
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: the rest of the table still matters
+        pf.add("probe rollout", FAIL, f"{task['task_name']}: {type(exc).__name__}: {exc}")
+        return
+    finally:
+        client.close()
+    emitted = ", ".join(sorted(r.rewards)) or "none"
+    where = f"{task['task_name']} in {time.monotonic() - t0:.0f}s, {r.n_turns} turns"
+    if r.reward is None and r.rewards:
+        pf.add("reward key", FAIL, f"--reward-key {key!r} is not emitted by {task['task_name']}; it emits: {emitted}",
+               "pass one of those to --reward-key (a comma-separated list is tried in order)")
+    elif not r.ok or r.reward is None:
+        pf.add("probe rollout", FAIL, f"{where}: {r.exception_type or 'error'}: {(r.error or 'no reward')[:300]}",
+               f"read the agent log tail: {r.agent_log_tail[-200:]!r}" if r.agent_log_tail else "")
+    else:
+        pf.add("reward key", PASS, f"{key!r} = {r.reward:g} ({emitted} emitted)")
+        pf.add("probe rollout", PASS if r.rollout_type == "train" else FAIL,
+               f"{where}, {r.rollout_type} tier, {r.n_trainable_tokens} trainable tokens")
+
+
+def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborServer | None) -> dict[str, Any]:
+    """Every check, cheapest first: the local ones, vLLM, the Harbor server, the tasks, a rollout. A failure that
+    makes the later checks meaningless ends the table there; otherwise every row is filled, so one run shows all
+    that is wrong."""
+    plan: dict[str, Any] = {}
+    writable, plan["resume"] = check_run_dir(args, pf)
+    pf.add("GRPO", PASS, f"{args.num_generations} generations per group, {args.max_inflight} rollouts in flight")
+    served = check_engine(args, pf)
+    if served is None:
+        return plan
+    plan["max_model_len"] = served["max_model_len"]
+    if server is not None and not (writable and check_sandbox_reach(args, pf)):
+        return plan
+    found = check_harbor(args, pf, served, server)
+    if found is None:
+        return plan
+    splits, plan["llm"] = found
+    chosen = check_tasks(args, pf, splits)
+    if chosen is None:
+        return plan
+    plan["split"], plan["tasks"] = chosen
+    check_reward(args, pf, plan["split"], plan["tasks"][0])
+    return plan
 
 
 def check_session_capacity(harbor_url: str, needed: int) -> None:
@@ -831,18 +1196,36 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         args = parse_args(argv)
-        resume = resolve_resume(args)
-        split, tasks, llm = preflight(args)
     except UsageError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
+    server = None if args.harbor_url else EmbeddedHarborServer(args)
+    try:
+        pf = Preflight()
+        plan = preflight(args, pf, server)
+        pf.print()
+        if pf.failures:
+            print(pf.error_line(), file=sys.stderr)
+            return 2
+        if args.check:
+            print(f"preflight: no failures ({sum(r[1] == WARN for r in pf.rows)} warnings)", flush=True)
+            return 0
+        return train(args, plan, server)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
+    llm, tasks = plan["llm"], plan["tasks"]
     print_table("async_grpo_harbor", {
-        "run name": args.run_name, "output dir": args.output_dir, "resume from": resume or "-",
-        "model": args.model, "vllm": args.vllm_url, "harbor": args.harbor_url,
+        "run name": args.run_name, "output dir": args.output_dir, "resume from": plan["resume"] or "-",
+        "model": args.model, "vllm": args.vllm_url,
+        "harbor": f"{args.harbor_url}" + (f" (started here, log {server.log_path})" if server else ""),
         "engine (server side)": f"{llm.get('url', '?')} capture={llm.get('capture_level', '?')}",
-        "tokens per micro-batch": f"{llm['max_model_len']} (vLLM max_model_len: TRL's token budget)",
-        "split": split, "tasks": f"{len(tasks)} ({', '.join(t['task_name'] for t in tasks[:5])}"
-                                   f"{', ...' if len(tasks) > 5 else ''})",
+        "tokens per micro-batch": f"{plan['max_model_len']} (vLLM max_model_len: TRL's token budget)",
+        "split": plan["split"], "tasks": f"{len(tasks)} ({', '.join(t['task_name'] for t in tasks[:5])}"
+                                         f"{', ...' if len(tasks) > 5 else ''})",
         "harness / sandbox": f"{args.harness} / {args.sandbox}", "reward key": args.reward_key or "reward",
         "generations / micro-batches per step": f"{args.num_generations} / {args.micro_batches_per_step}",
         "max inflight": args.max_inflight, "max staleness": args.max_staleness, "temperature": args.temperature,
@@ -852,9 +1235,9 @@ def main(argv: list[str] | None = None) -> int:
         "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
         "report to": f"{args.report_to} (project {args.project})",
     })
-    trainer = build_trainer(args, split, tasks)
+    trainer = build_trainer(args, plan["split"], tasks)
     try:
-        trainer.train(resume_from_checkpoint=resume)
+        trainer.train(resume_from_checkpoint=plan["resume"])
     except RuntimeError as exc:
         cause = str(exc.__cause__ or exc)
         if ROLLOUTS_FAILING in cause:

@@ -6,6 +6,7 @@ $AGH_SERVER_PYTHON (Python 3.12 with openenv[harbor] and mini-swe-agent).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -142,7 +143,9 @@ def run_script(args: list[str], cwd: Path, timeout: float = 900.0, **env: str) -
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    cache = Path(os.environ.get("AGH_CACHE_DIR") or tmp_path_factory.mktemp("cache")) / "tiny-qwen3"
+    # Keyed by the recipe, so checkouts with different recipes sharing one cache never rebuild over each other.
+    recipe = hashlib.sha256((RIG / "tiny_model.py").read_bytes()).hexdigest()[:16]
+    cache = Path(os.environ.get("AGH_CACHE_DIR") or tmp_path_factory.mktemp("cache")) / f"tiny-qwen3-{recipe}"
     subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(cache)], check=True)
     return cache
 

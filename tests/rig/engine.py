@@ -13,6 +13,10 @@ Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_
   log_softmax(logits / T) at the request temperature (processed logprobs; T absent or ~0 scores at 1.0, as vLLM's
   greedy path does). `--score-temperature-offset X` scores at T + X, a deliberately mismatched engine.
   `--no-token-ids` answers like a plain OpenAI server: no ids, no logprobs (OpenEnv grades it `eval`).
+  Each launch flag the trainer needs can be left out, as a user might: `--raw-logprobs` (vLLM's default
+  `--logprobs-mode raw_logprobs`: scored at T=1 whatever the request asks), `--no-tool-parser` (no
+  `--enable-auto-tool-choice`: vLLM's 400 for a tool request), `--no-dev-mode` (no VLLM_SERVER_DEV_MODE: the dev
+  routes, /server_info and the weight sync ones, are 404), `--no-weight-transfer` (no `--weight-transfer-config`).
 * The TRL control plane (`/health`, `/v1/models`, `/server_info`, `/get_world_size`, `/pause`, `/resume`, the weight
   update calls) answers as vLLM's does; the NCCL receive is replaced by `POST /stand_in/load_weights`, whose body
   is `safetensors.torch.save(state_dict)` under HF parameter names.
@@ -70,8 +74,10 @@ class HTTPError(Exception):
 
 
 class Engine:
-    def __init__(self, model_dir, served_name, policy, score_offset=0.0, token_ids=True, max_model_len=32768):
+    def __init__(self, model_dir, served_name, policy, score_offset=0.0, token_ids=True, max_model_len=32768,
+                 raw_logprobs=False, tool_parser=True, weight_transfer=True):
         self.model_dir, self.served_name = str(model_dir), served_name
+        self.raw_logprobs, self.tool_parser, self.weight_transfer = raw_logprobs, tool_parser, weight_transfer
         # vLLM's context length: the trainer's default token budget per micro-batch, so it decides samples per step.
         self.max_model_len = max_model_len
         self.policy, self.score_offset, self.token_ids = policy, score_offset, token_ids
@@ -99,6 +105,8 @@ class Engine:
             index = self.n_requests
             self.n_requests += 1
         messages, tools = _vllm_messages(body.get("messages") or []), body.get("tools") or None
+        if tools and not self.tool_parser and body.get("tool_choice", "auto") == "auto":
+            raise HTTPError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
         prompt_text = self.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=body.get("add_generation_prompt", True), tokenize=False,
             **(body.get("chat_template_kwargs") or {}))
@@ -113,7 +121,8 @@ class Engine:
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
 
         temperature = body.get("temperature")
-        score_t = (1.0 if temperature is None or temperature < GREEDY_EPS else float(temperature)) + self.score_offset
+        score_t = (1.0 if temperature is None or temperature < GREEDY_EPS or self.raw_logprobs
+                   else float(temperature)) + self.score_offset
         # vLLM fills logprobs.content only when top_logprobs is set (SamplingParams.logprobs = top_logprobs).
         want_logprobs = self.token_ids and body.get("logprobs") and body.get("top_logprobs") is not None
         self.running.wait()
@@ -223,7 +232,9 @@ class Engine:
     def server_info(self) -> dict:
         return {"vllm_config": {"model_config": {
             "model": self.model_dir, "served_model_name": self.served_name, "dtype": "torch.float32",
-            "max_model_len": self.max_model_len, "logprobs_mode": "processed_logprobs"}}}
+            "max_model_len": self.max_model_len,
+            "logprobs_mode": "raw_logprobs" if self.raw_logprobs else "processed_logprobs"},
+            "weight_transfer_config": {"backend": "nccl"} if self.weight_transfer else None}}
 
 
 def _vllm_messages(messages: list) -> list:
@@ -278,15 +289,18 @@ def _lp_entry(token_id: int, logprob: float) -> dict:
             "bytes": list(token.encode())}
 
 
-def _handler(engine: Engine):
+def _handler(engine: Engine, dev_mode: bool):
     controls = {"/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                 "/finish_weight_update"}
+    dev_routes = controls | {"/server_info", "/get_world_size", "/stand_in/load_weights"}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self):
             path = urlsplit(self.path).path
+            if path in dev_routes and not dev_mode:
+                return self._answer(None)
             routes = {"/health": lambda: {}, "/v1/models": engine.models, "/server_info": engine.server_info,
                       "/get_world_size": lambda: {"world_size": 1}, "/version": lambda: {"version": "0.29.0"},
                       "/stand_in/stats": engine.stats}
@@ -295,7 +309,9 @@ def _handler(engine: Engine):
         def do_POST(self):
             path = urlsplit(self.path).path
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            if path == "/v1/chat/completions":
+            if path in dev_routes and not dev_mode:
+                self._answer(None)
+            elif path == "/v1/chat/completions":
                 self._answer(lambda: engine.chat(json.loads(body or b"{}")))
             elif path == "/stand_in/load_weights":
                 self._answer(lambda: engine.load_weights(body))
@@ -343,12 +359,16 @@ def main(argv=None) -> None:
     parser.add_argument("--score-temperature-offset", type=float, default=0.0)
     parser.add_argument("--no-token-ids", action="store_true")
     parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--raw-logprobs", action="store_true")
+    parser.add_argument("--no-tool-parser", action="store_true")
+    parser.add_argument("--no-dev-mode", action="store_true")
+    parser.add_argument("--no-weight-transfer", action="store_true")
     args = parser.parse_args(argv)
     policy = json.load(open(args.policy)) if args.policy else {}
     torch.set_num_threads(1)  # the trainer shares this CPU; a tiny model gains nothing from more threads
     engine = Engine(args.model_dir, args.served_name, policy, args.score_temperature_offset, not args.no_token_ids,
-                    args.max_model_len)
-    server = ThreadingHTTPServer((args.host, args.port), _handler(engine))
+                    args.max_model_len, args.raw_logprobs, not args.no_tool_parser, not args.no_weight_transfer)
+    server = ThreadingHTTPServer((args.host, args.port), _handler(engine, not args.no_dev_mode))
     print(f"stand-in engine serving {args.served_name} on http://{args.host}:{server.server_port}", flush=True)
     server.serve_forever()
 

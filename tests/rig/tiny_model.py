@@ -24,6 +24,7 @@ MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respo
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
 BPE_VOCAB = 1024
 SEED = 0
+LOGIT_SCALE = 5.0
 # Hashed into the stamp, so editing this file invalidates old builds instead of silently reusing them.
 RECIPE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 STAMP = "rig_build.json"
@@ -184,6 +185,11 @@ def build(out_dir) -> Path:
         dtype="float32",
     )
     model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        # Peaked next-token distributions (top-two gaps of a nat or more), as a trained model has: OpenEnv's probe
+        # tells processed from raw logprobs by how that gap scales with temperature, and reads a flat model as
+        # "unknown".
+        model.lm_head.weight.mul_(LOGIT_SCALE)
     # No sampling defaults: vLLM would adopt them as the server's default temperature/top_p/top_k.
     model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id)
     model.save_pretrained(out)
