@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -202,7 +203,7 @@ def through_factory(rig: Rig, model_dir: Path, tasks: list, n: int, count: int, 
 def measure_throughput(rig, model_dir, tasks, spec, levels, reps, waves, profile) -> dict:
     results = {}
     for n in levels:
-        count = n * (waves + 1)
+        count = n + max(n * waves, 4)  # the first wave of n is start-up; at least 4 rollouts are timed
         rows = []
         for rep in range(reps):
             order = ("direct", "factory") if rep % 2 == 0 else ("factory", "direct")
@@ -306,31 +307,46 @@ def factory_overhead(rig: Rig, spec: dict, reps: int = 20) -> dict:
 
 
 # ---- 2 + 3. a real run of the script: startup and shutdown
-def script_run(rig: Rig, model_dir: Path, workdir: Path, max_steps: int) -> dict:
+def script_run(rig: Rig, model_dir: Path, workdir: Path, max_steps: int, embedded: bool) -> dict:
+    """One short training run. `embedded`: no --harbor-url, so the script starts the (rig's) Harbor server itself."""
     out = workdir / f"run-{time.time_ns()}"
     args = [*rig.base_args(), "--tasks", TASK + ",coin,coin2", "--num-generations", "4", "--max-inflight", "4",
             "--micro-batches-per-step", "1", "--max-staleness", "2", "--learning-rate", "1e-3",
             "--temperature", str(TEMPERATURE), "--agent-step-limit", str(STEP_LIMIT),
             "--agent-timeout", str(AGENT_TIMEOUT), "--max-steps", str(max_steps), "--save-steps", "1000",
             "--output-dir", str(out), "--run-name", "bench"]
+    env = script_env()
+    if embedded:
+        i = args.index("--harbor-url")
+        del args[i:i + 2]
+        args += ["--harbor-command", f"{os.environ['AGH_SERVER_PYTHON']} {RIG / 'harbor_server.py'}"]
+        env.update(RIG_SANDBOX_DIR=str(rig.workdir / "sandboxes"), OPENENV_HARBOR_TRIALS_DIR=str(out / "trials"))
     t_start = time.time()
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "timed_main.py"), *args], cwd=workdir,
-                          env=script_env(), text=True, capture_output=True, timeout=900)
+                          env=env, text=True, capture_output=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"script run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    marks: dict[str, float] = {}
-    for name, t in re.findall(r"^bench-mark (\w+) ([\d.]+)$", proc.stdout, re.M):
-        marks[name] = float(t)  # the last step_end / save_end wins
-    marks_first = {k: float(v) for k, v in reversed(re.findall(r"^bench-mark (\w+) ([\d.]+)$", proc.stdout, re.M))}
+    found = re.findall(r"^bench-mark (\w+) ([\d.]+)$", proc.stdout, re.M)
+    missing = {"main_start", "build_start", "build_end", "first_dispatch", "step_end", "train_return"} - {
+        k for k, _ in found}
+    if missing:
+        raise RuntimeError(f"no {sorted(missing)} in the run's output:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
+    last = {k: float(v) for k, v in found}  # the last step_end wins
+    first = {k: float(v) for k, v in reversed(found)}
     stop = re.search(r"rollout worker exited on its own in ([\d.]+)s", proc.stdout)
-    model_load = marks["build_end"] - marks["build_start"]
+    model_load = last["build_end"] - last["build_start"]
+    server = last["server_ready"] - last["server_start"] if "server_ready" in last else 0.0
+    startup = first["first_dispatch"] - t_start - model_load
     return {
-        "imports_s": marks_first["main_start"] - t_start,
-        "preflight_s": marks["build_start"] - marks_first["main_start"],
+        "embedded": embedded,
+        "imports_s": first["main_start"] - t_start,
+        "preflight_s": last["build_start"] - first["main_start"] - server,
+        "server_start_s": server,
         "model_load_s": model_load,
-        "train_begin_to_dispatch_s": marks["first_dispatch"] - marks["build_end"],
-        "startup_s": marks["first_dispatch"] - t_start - model_load,
-        "shutdown_s": marks["train_return"] - marks["step_end"],
+        "train_begin_to_dispatch_s": first["first_dispatch"] - last["build_end"],
+        "startup_s": startup,
+        "startup_script_s": startup - server,
+        "shutdown_s": last["train_return"] - last["step_end"],
         "worker_stop_s": float(stop[1]) if stop else None,
         "steps": len(re.findall(r"^bench-mark step_end", proc.stdout, re.M)),
     }
@@ -354,20 +370,23 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,2,4,8", help="levels N, comma-separated")
     p.add_argument("--reps", type=int, default=3, help="repetitions per N (each measures both paths)")
-    p.add_argument("--waves", type=int, default=2, help="rollouts counted per repetition, in units of N")
+    p.add_argument("--waves", type=int, default=2, help="rollouts timed per repetition, in units of N (at least 4)")
+    p.add_argument("--sections", default="overhead,throughput,script", help="what to measure, comma-separated")
     p.add_argument("--script-runs", type=int, default=2, help="runs of the script for startup / shutdown")
     p.add_argument("--max-steps", type=int, default=2, help="optimizer steps per script run")
     p.add_argument("--py-spy", default="", help="py-spy binary: profile the server and the rollout child at max N")
     p.add_argument("--workdir", default="/tmp/agh-bench", help="rig logs, sandboxes, profiles")
     p.add_argument("--json", default="", help="write the raw numbers here")
     a = p.parse_args()
+    sections = set(a.sections.split(","))
     levels = [int(x) for x in a.concurrency.split(",")]
     workdir = Path(a.workdir) / time.strftime("%Y%m%d-%H%M%S")
     info = versions()
     for k, v in info.items():
         print(f"{k}: {v}", flush=True)
 
-    model_dir = Path(os.environ.get("AGH_CACHE_DIR", workdir)) / "tiny-qwen3"
+    recipe = hashlib.sha256((RIG / "tiny_model.py").read_bytes()).hexdigest()[:16]  # as tests/conftest.py keys it
+    model_dir = Path(os.environ.get("AGH_CACHE_DIR", workdir)) / f"tiny-qwen3-{recipe}"
     subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(model_dir)], check=True)
     rig = Rig(workdir / "rig", model_dir, [], max_concurrent_envs=4 * max(levels))
     profile = {"py_spy": a.py_spy, "seconds": 20, "dir": workdir / "profile"} if a.py_spy else None
@@ -376,34 +395,48 @@ def main() -> int:
         task = next(t for t in catalogue if t["task_name"] == TASK)
         spec = rollout_spec(rig, int(task["index"]))
 
-        print("\n4. factory overhead per rollout", flush=True)
-        overhead = factory_overhead(rig, spec)
-        for k, v in overhead["parts_ms"].items():
-            print(f"  {k:50s} {v:8.3f} ms", flush=True)
-
-        print("\n1. throughput", flush=True)
-        thr = measure_throughput(rig, model_dir, [task], spec, levels, a.reps, a.waves, profile)
-
+        overhead, thr, runs = {}, {}, []
         print("\n2+3. script runs (startup, shutdown)", flush=True)
-        runs = []
-        for _ in range(a.script_runs):
-            wait_server_idle(rig)
-            runs.append(script_run(rig, model_dir, workdir, a.max_steps))
-            print("  " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in runs[-1].items()}),
-                  flush=True)
+        embedded_modes = [False, True] if hasattr(script, "EmbeddedHarborServer") else [False]
+        for _ in range(a.script_runs if "script" in sections else 0):
+            for embedded in embedded_modes:
+                wait_server_idle(rig)
+                try:
+                    runs.append(script_run(rig, model_dir, workdir, a.max_steps, embedded))
+                except (RuntimeError, KeyError, subprocess.TimeoutExpired) as exc:
+                    print(f"  script run (embedded={embedded}) failed: {exc!r}"[:4000], flush=True)
+                    continue
+                print("  " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                         for k, v in runs[-1].items()}), flush=True)
+        if "overhead" in sections:
+            print("\n4. factory overhead per rollout", flush=True)
+            overhead = factory_overhead(rig, spec)
+            for k, v in overhead["parts_ms"].items():
+                print(f"  {k:50s} {v:8.3f} ms", flush=True)
+        if "throughput" in sections:
+            print("\n1. throughput", flush=True)
+            thr = measure_throughput(rig, model_dir, [task], spec, levels, a.reps, a.waves, profile)
+
     finally:
         rig.stop()
 
-    wall = thr[min(levels)]["latency_direct_s"]
-    overhead["fraction_of_rollout"] = overhead["total_ms"] / 1000 / wall
     print("\nN  direct/min  factory/min  ratio  cpu(direct,factory)  latency s (direct,factory)")
     for n, r in thr.items():
         print(f"{n:<2} {r['direct_per_min']:10.2f} {r['factory_per_min']:12.2f} {r['ratio']:6.3f}  "
               f"{r['cpu_direct']:.0%},{r['cpu_factory']:.0%}  {r['latency_direct_s']:.2f},{r['latency_factory_s']:.2f}")
-    print(f"factory overhead: {overhead['total_ms']:.2f} ms per rollout = {overhead['fraction_of_rollout']:.3%} of a "
-          f"{wall:.2f} s rollout ({overhead['turns']} turns, {overhead['reply_bytes']} reply bytes)")
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k not in ("worker_stop_s", "steps")}
-    print("script run medians: " + ", ".join(f"{k}={v:.2f}" for k, v in med.items()))
+    if overhead and thr:
+        wall = thr[min(levels)]["latency_direct_s"]
+        overhead["fraction_of_rollout"] = overhead["total_ms"] / 1000 / wall
+        print(f"factory overhead: {overhead['total_ms']:.2f} ms per rollout = {overhead['fraction_of_rollout']:.3%} "
+              f"of a {wall:.2f} s rollout ({overhead['turns']} turns, {overhead['reply_bytes']} reply bytes)")
+    med = {}
+    for embedded in (False, True):
+        mine = [r for r in runs if r["embedded"] == embedded]
+        if mine:
+            med[embedded] = {k: statistics.median(r[k] for r in mine) for k in mine[0]
+                             if k not in ("embedded", "worker_stop_s", "steps")}
+            print(f"script runs {'with' if embedded else 'without'} the embedded server, medians: "
+                  + ", ".join(f"{k}={v:.2f}" for k, v in med[embedded].items()))
     prof = {}
     if profile:
         for name, proc in profile.get("procs", []):
@@ -416,9 +449,11 @@ def main() -> int:
                     print(f"  {share:6.1%}  {leaf}")
     if a.json:
         Path(a.json).write_text(json.dumps({"info": info, "throughput": thr, "overhead": overhead, "runs": runs,
-                                            "medians": med, "profile": prof}, indent=1, default=str))
-    ratio_min = min(r["ratio"] for r in thr.values())
-    print(f"perf: ratio_min={ratio_min:.3f} shutdown_s={med['shutdown_s']:.2f} startup_s={med['startup_s']:.2f}")
+                                            "medians": {str(k): v for k, v in med.items()}, "profile": prof}, indent=1, default=str))
+    ratio_min = min((r["ratio"] for r in thr.values()), default=float("nan"))
+    base = med.get(False, {})
+    print(f"perf: ratio_min={ratio_min:.3f} shutdown_s={base.get('shutdown_s', float('nan')):.2f} "
+          f"startup_s={base.get('startup_script_s', float('nan')):.2f}")
     return 0
 
 

@@ -67,6 +67,19 @@ def build_trainer(*args, **kwargs):
 
 
 script.build_trainer = build_trainer
+_server_start = getattr(script, "EmbeddedHarborServer", None) and script.EmbeddedHarborServer.start
+
+
+def server_start(self, *args, **kwargs):
+    mark("server_start")
+    try:
+        return _server_start(self, *args, **kwargs)
+    finally:
+        mark("server_ready")
+
+
+if _server_start:
+    script.EmbeddedHarborServer.start = server_start
 
 if __name__ == "__main__":
     mark("main_start")
