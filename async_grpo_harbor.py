@@ -124,8 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="For tasks that emit several rewards: the key to train on, or a comma-separated preference "
                         "list. Empty: the task's `reward`.")
     g.add_argument("--agent-step-limit", type=int, default=30,
-                   help="Model calls per rollout (a count, capped at the proxy). A memory guard, not a cost knob: "
-                        "every turn re-sends the conversation, so a rollout's packed length grows with its square.")
+                   help="Model calls per rollout (a count, capped at the proxy). A memory guard: a rollout's packed "
+                        "row grows by every turn (~1k tokens), and the tokens forwarded to vLLM with its square (each "
+                        "turn re-sends the conversation). 30 is the longest whose row fits a 32k context at ~1k tokens "
+                        "per turn (README: Capacity).")
     g.add_argument("--agent-timeout", type=float, default=600.0,
                    help="Seconds the agent may run per rollout; 0 uses the task's own timeout.")
 

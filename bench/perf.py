@@ -303,7 +303,7 @@ def factory_overhead(rig: Rig, spec: dict, reps: int = 20) -> dict:
         "trace conversion (to_training_trace)": timed(lambda: to_training_trace(result)),
     }
     return {"parts_ms": parts, "total_ms": sum(parts.values()), "reply_bytes": len(body),
-            "turns": result.n_turns, "server_wall_s": result.wall_s}
+            "turns": result.n_turns, "server_wall_s": result.wall_s, "phase_timings": result.phase_timings}
 
 
 # ---- 2 + 3. a real run of the script: startup and shutdown
@@ -413,6 +413,8 @@ def main() -> int:
             overhead = factory_overhead(rig, spec)
             for k, v in overhead["parts_ms"].items():
                 print(f"  {k:50s} {v:8.3f} ms", flush=True)
+            print(f"  server-side rollout: {overhead['server_wall_s']:.2f} s, {overhead['turns']} turns, phases "
+                  f"{json.dumps(overhead['phase_timings'])}", flush=True)
         if "throughput" in sections:
             print("\n1. throughput", flush=True)
             thr = measure_throughput(rig, model_dir, [task], spec, levels, a.reps, a.waves, profile)
