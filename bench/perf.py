@@ -262,6 +262,30 @@ def summarise_profile(path: Path, top: int = 12) -> list[tuple[str, float]]:
     return [(k, v / total) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
 
 
+def profile_stop(rig: Rig, model_dir: Path, tasks: list, py_spy: str, out: Path, n: int = 4) -> dict:
+    """Where the ~2 s of the script's worker stop go: py-spy on TRL's rollout child from the stop to its exit."""
+    from accelerate.state import PartialState
+
+    PartialState()
+    worker = make_worker(rig, model_dir, tasks, n)
+    worker.start()
+    done = 0
+    while done < n:
+        item = worker.metrics_queue.get(timeout=120)
+        done += "rollout/duration_s" in item
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "rollout_child_stop.txt"
+    spy = subprocess.Popen([py_spy, "record", "--pid", str(worker._process.pid), "--duration", "6", "--rate", "200",
+                            "--format", "raw", "--idle", "--threads", "--nonblocking", "--output", str(path)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    time.sleep(1.0)  # py-spy attached
+    t0 = time.monotonic()
+    worker.stop()
+    stop_s = time.monotonic() - t0
+    spy.wait(timeout=30)
+    return {"stop_s": stop_s, "profile": summarise_profile(path, top=15) if path.exists() else []}
+
+
 # ---- 4. the factory's own per-rollout work
 def factory_overhead(rig: Rig, spec: dict, reps: int = 20) -> dict:
     from openenv.harbor.client import _as_text
@@ -371,7 +395,7 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,2,4,8", help="levels N, comma-separated")
     p.add_argument("--reps", type=int, default=3, help="repetitions per N (each measures both paths)")
     p.add_argument("--waves", type=int, default=2, help="rollouts timed per repetition, in units of N (at least 4)")
-    p.add_argument("--sections", default="overhead,throughput,script", help="what to measure, comma-separated")
+    p.add_argument("--sections", default="script,stop,overhead,throughput", help="what to measure, comma-separated")
     p.add_argument("--script-runs", type=int, default=2, help="runs of the script for startup / shutdown")
     p.add_argument("--max-steps", type=int, default=2, help="optimizer steps per script run")
     p.add_argument("--py-spy", default="", help="py-spy binary: profile the server and the rollout child at max N")
@@ -415,6 +439,13 @@ def main() -> int:
                 print(f"  {k:50s} {v:8.3f} ms", flush=True)
             print(f"  server-side rollout: {overhead['server_wall_s']:.2f} s, {overhead['turns']} turns, phases "
                   f"{json.dumps(overhead['phase_timings'])}", flush=True)
+        if "stop" in sections and a.py_spy:
+            wait_server_idle(rig)
+            print("\nworker stop under py-spy", flush=True)
+            stop = profile_stop(rig, model_dir, [task], a.py_spy, workdir / "profile")
+            print(f"  stop took {stop['stop_s']:.2f} s", flush=True)
+            for leaf, share in stop["profile"]:
+                print(f"  {share:6.1%}  {leaf}", flush=True)
         if "throughput" in sections:
             print("\n1. throughput", flush=True)
             thr = measure_throughput(rig, model_dir, [task], spec, levels, a.reps, a.waves, profile)
