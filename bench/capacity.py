@@ -53,9 +53,10 @@ def main() -> None:
     p.add_argument("--overhead-gib", type=float, default=3.0, help="CUDA context, allocator slack, NCCL (estimate)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="H100 SXM dense bf16")
     p.add_argument("--mfu", type=float, default=0.4, help="assumption: no TRL-published AsyncGRPO tokens/s found")
-    p.add_argument("--setup-s", type=float, default=2.6, help="rollout time outside agent turns (measured, rig)")
-    p.add_argument("--turn-overhead-s", type=float, default=0.9,
-                   help="harness + proxy + tool time per turn, engine excluded (measured, rig)")
+    p.add_argument("--setup-s", type=float, default=4.6,
+                   help="a 2-turn rig rollout with an instant engine: sandbox, harness start-up, verifier (measured)")
+    p.add_argument("--turn-overhead-s", type=float, default=1.0,
+                   help="tool execution + proxy per turn in a cloud sandbox, engine excluded (estimate)")
     p.add_argument("--reply-tokens", type=int, default=250, help="generated tokens per turn (estimate)")
     p.add_argument("--decode-tok-s", type=float, default=50.0, help="per-sequence decode speed under load (estimate)")
     p.add_argument("--default-steps", type=int, default=30)

@@ -395,7 +395,7 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,2,4,8", help="levels N, comma-separated")
     p.add_argument("--reps", type=int, default=3, help="repetitions per N (each measures both paths)")
     p.add_argument("--waves", type=int, default=2, help="rollouts timed per repetition, in units of N (at least 4)")
-    p.add_argument("--sections", default="script,stop,overhead,throughput", help="what to measure, comma-separated")
+    p.add_argument("--sections", default="script,stop,overhead,throughput,profile", help="what to measure, comma-separated")
     p.add_argument("--script-runs", type=int, default=2, help="runs of the script for startup / shutdown")
     p.add_argument("--max-steps", type=int, default=2, help="optimizer steps per script run")
     p.add_argument("--py-spy", default="", help="py-spy binary: profile the server and the rollout child at max N")
@@ -413,7 +413,9 @@ def main() -> int:
     model_dir = Path(os.environ.get("AGH_CACHE_DIR", workdir)) / f"tiny-qwen3-{recipe}"
     subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(model_dir)], check=True)
     rig = Rig(workdir / "rig", model_dir, [], max_concurrent_envs=4 * max(levels))
-    profile = {"py_spy": a.py_spy, "seconds": 20, "dir": workdir / "profile"} if a.py_spy else None
+    # py-spy costs CPU: "profile" samples one factory window at the highest N (rep 0), biasing that one window.
+    profile = ({"py_spy": a.py_spy, "seconds": 20, "dir": workdir / "profile"}
+               if a.py_spy and "profile" in sections else None)
     try:
         catalogue = script.fetch_catalogue(rig.harbor_url, rig.split)
         task = next(t for t in catalogue if t["task_name"] == TASK)
