@@ -16,7 +16,7 @@ The harness (default mini-swe-agent) runs inside a sandbox (default e2b) and dri
 through OpenEnv's capture proxy to your vLLM server, which records exact token ids and logprobs. Harbor's verifier
 scores the workspace. This script turns each rollout into a GRPO sample and trains the policy that vLLM serves.
 
-Run it (three terminals; see README.md for the full walk-through):
+Run it (see README.md for the full walk-through):
 
     # 1. the policy server (GPU 0)
     VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 --max-model-len 32768 \
@@ -24,15 +24,12 @@ Run it (three terminals; see README.md for the full walk-through):
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"nccl"}'
 
-    # 2. the Harbor server: one long-lived server, harness / sandbox / task are chosen per rollout; it starts the
-    #    sandboxes, so the sandbox credentials go here. Session slots >= 2 x --max-inflight.
-    MAX_CONCURRENT_ENVS=32 E2B_API_KEY=... HF_TOKEN=... openenv harbor serve \
-        --dataset AdithyaSK/data_agent_rl_environment_train \
-        --host 127.0.0.1 --port 8001 --expose direct --llm-url http://localhost:8000/v1
+    # 2. train (GPU 1); starts its own Harbor server (`openenv harbor serve`) on 127.0.0.1 and stops it at exit
+    E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
+        --vllm-url http://localhost:8000 --harbor-expose cloudflare
 
-    # 3. train (GPU 1)
-    uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
-        --vllm-url http://localhost:8000 --harbor-url http://localhost:8001 --tasks @tasks.txt
+    # check the whole set-up without training (one real rollout with --probe-rollout)
+    uv run async_grpo_harbor.py ... --check --probe-rollout
 
     # resume the latest checkpoint of that run (same --run-name or --output-dir)
     uv run async_grpo_harbor.py ... --run-name <name printed at start> --resume
@@ -86,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="RL-train a model on a Harbor task suite through a loop-owning harness with TRL AsyncGRPO.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        # `--mod X` must not silently mean --model: the SLURM wrappers read flags from the same command line.
+        allow_abbrev=False,
     )
     g = p.add_argument_group("policy and engine")
     g.add_argument("--model", default="Qwen/Qwen3-4B-Instruct-2507",
@@ -146,9 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "practice: accelerate prefetches one batch.")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
-    g.add_argument("--max-completion-length", type=int, default=4096,
-                   help="Tokens per model call (a turn) the trainer expects, for its truncation metric only: the "
-                        "harness's own loop is capped by the Harbor server's --max-output-tokens.")
+    g.add_argument("--max-completion-length", type=int, default=1024,
+                   help="Tokens per model call (an agent turn). The Harbor server this script starts caps every turn "
+                        "there (its --max-output-tokens); a server of yours needs that flag set to match. An agent turn "
+                        "is a thought and one command: 30 turns x 1024 fit a 32k context.")
     g.add_argument("--learning-rate", type=float, default=1e-6,
                    help="AdamW learning rate, constant: the number of rollouts per step varies with their length, "
                         "so a decay horizon in steps means little.")
@@ -655,8 +655,8 @@ class EmbeddedHarborServer:
                                  "install openenv[harbor] (Python >= 3.12) or set --harbor-command") from None
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
-                raise UsageError(f"the Harbor server exited with code {self.proc.returncode} while starting; the "
-                                 f"end of {self.log_path}:\n{self.log_tail()}")
+                raise UsageError(f"the Harbor server exited with code {self.proc.returncode} while starting (log: "
+                                 f"{self.log_path})")
             try:
                 http_json(f"{self.url}/harbor_env/splits", timeout=5)
                 return time.monotonic() - t0
@@ -714,7 +714,9 @@ class Preflight:
         width = max(len(row[0]) for row in self.rows)
         lines = []
         for check, status, detail, fix in self.rows:
-            lines.append(f"  {status}  {check:<{width}}  {detail}")
+            first, *more = detail.splitlines() or [""]
+            lines.append(f"  {status}  {check:<{width}}  {first}")
+            lines += [f"        {'':<{width}}  {line}" for line in more]
             if fix and status in (WARN, FAIL):
                 lines.append(f"        {'':<{width}}  fix: {fix}")
         print("\npreflight\n" + "\n".join(lines) + "\n", flush=True)
@@ -722,7 +724,7 @@ class Preflight:
     def error_line(self) -> str:
         _, _, detail, fix = self.failures[0]
         more = len(self.failures) - 1
-        return (f"error: {detail}" + (f"; {fix}" if fix else "")
+        return (f"error: {detail.splitlines()[0]}" + (f"; {fix}" if fix else "")
                 + (f" (and {more} more failed check{'s' * (more > 1)} above)" if more else ""))
 
 
@@ -836,8 +838,8 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
                f"vLLM's max_model_len {max_len:,}: a rollout that uses its whole budget ends at the context limit",
                "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
     else:
-        pf.add("context", PASS, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens fit "
-               f"max_model_len {max_len:,} (also TRL's token budget per micro-batch)")
+        pf.add("context", PASS, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} "
+               f"fit max_model_len {max_len:,}, with {max_len - worst:,} left for the prompt and command output")
     served["max_model_len"] = max_len
     return served
 
@@ -886,7 +888,7 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
         try:
             seconds = server.start(served["id"])
         except UsageError as exc:
-            pf.add("Harbor server", FAIL, str(exc), "fix the cause in the log, or pass --harbor-url")
+            pf.add("Harbor server", FAIL, f"{exc}\n{server.log_tail()}", "fix what its log says, or pass --harbor-url")
             return None
         args.harbor_url = server.url
         pf.add("Harbor server", PASS, f"started {server.url} in {seconds:.0f}s (log: {server.log_path})")
@@ -940,7 +942,7 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
                f"{args.vllm_url}: if they are not the same server, training is off-policy",
                "point both at the same vLLM")
     else:
-        pf.add("server's engine", PASS, f"{llm.get('url')} (tokens), the vLLM weights go to")
+        pf.add("server's engine", PASS, f"{llm.get('url')}: tokens, the vLLM the trainer updates")
 
     try:
         check_session_capacity(args.harbor_url, args.max_inflight)
@@ -1201,26 +1203,59 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
-    server = None if args.harbor_url else EmbeddedHarborServer(args)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    share = join_ranks() if world > 1 else None
+    server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
     try:
-        pf = Preflight()
-        plan = preflight(args, pf, server)
-        pf.print()
-        if pf.failures:
-            print(pf.error_line(), file=sys.stderr)
-            return 2
-        if args.check:
-            print(f"preflight: no failures ({sum(r[1] == WARN for r in pf.rows)} warnings)", flush=True)
-            return 0
-        return train(args, plan, server)
+        code, plan = None, {}
+        if rank == 0:
+            pf = Preflight()
+            plan = preflight(args, pf, server)
+            pf.print()
+            if pf.failures:
+                print(pf.error_line(), file=sys.stderr)
+                code = 2
+            elif args.check:
+                print(f"preflight: no failures ({sum(r[1] == WARN for r in pf.rows)} warnings)", flush=True)
+                code = 0
+        if share is not None:
+            code, plan, args.run_name, args.output_dir, args.harbor_url = share(
+                (code, plan, args.run_name, args.output_dir, args.harbor_url))
+        return code if code is not None else train(args, plan, server)
+    except KeyboardInterrupt:
+        print(f"\n[harbor] interrupted; checkpoints so far are in {args.output_dir}", file=sys.stderr)
+        return 130
     finally:
         if server is not None:
             server.stop()
 
 
+def join_ranks():
+    """Under `accelerate launch` / torchrun: rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on
+    the main process only); the others take its plan and run name, so N processes start one server and write one run.
+
+    Over a gloo group with a long timeout: rank 0's preflight can take minutes (a first dataset download), longer than
+    NCCL's default collective timeout.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    PartialState()  # the process group the trainer will use
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
+
+    def share(payload):
+        box = [payload]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    return share
+
+
 def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
     llm, tasks = plan["llm"], plan["tasks"]
-    print_table("async_grpo_harbor", {
+    print_table("async_grpo_harbor" if int(os.environ.get("RANK", "0")) == 0 else "", {
         "run name": args.run_name, "output dir": args.output_dir, "resume from": plan["resume"] or "-",
         "model": args.model, "vllm": args.vllm_url,
         "harbor": f"{args.harbor_url}" + (f" (started here, log {server.log_path})" if server else ""),

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -86,7 +87,8 @@ class Service:
 class Rig:
     """One stand-in engine plus one Harbor server pointed at it."""
 
-    def __init__(self, workdir: Path, model_dir: Path, engine_flags: list[str], max_concurrent_envs: int = 8):
+    def __init__(self, workdir: Path, model_dir: Path, engine_flags: list[str], max_concurrent_envs: int = 8,
+                 harbor: bool = True):
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir, self.model_dir = workdir, model_dir
         self.max_concurrent_envs = max_concurrent_envs
@@ -101,6 +103,10 @@ class Rig:
                        "--max-model-len", str(MAX_MODEL_LEN), *engine_flags],
             workdir / "engine.log", f"{self.engine_url}/health")
         self.engine.wait_ready()
+        self.harbor = None
+        if not harbor:
+            self.harbor_url, self.split = "", str(RIG / "tasks")
+            return
         self.harbor = Service(
             "harbor server", [os.environ["AGH_SERVER_PYTHON"], str(RIG / "harbor_server.py"),
                               "--dataset", str(RIG / "tasks"), "--llm-url", f"{self.engine_url}/v1",
@@ -124,7 +130,8 @@ class Rig:
 
     def stop(self) -> None:
         for service in (self.harbor, self.engine):
-            service.stop()
+            if service is not None:
+                service.stop()
 
 
 def script_env(**extra: str) -> dict[str, str]:
@@ -162,8 +169,8 @@ def make_rig(tmp_path, tiny_model):
     """A private rig with extra engine flags, e.g. an engine without token ids."""
     rigs = []
 
-    def make(*engine_flags: str) -> Rig:
-        rigs.append(Rig(tmp_path / f"rig{len(rigs)}", tiny_model, list(engine_flags)))
+    def make(*engine_flags: str, harbor: bool = True) -> Rig:
+        rigs.append(Rig(tmp_path / f"rig{len(rigs)}", tiny_model, list(engine_flags), harbor=harbor))
         return rigs[-1]
 
     yield make
@@ -185,6 +192,17 @@ def train_args(rig: Rig, out: Path, *extra: str) -> list[str]:
             "--micro-batches-per-step", "1", "--max-staleness", "2", "--learning-rate", "1e-3",
             "--temperature", "0.7", "--agent-step-limit", "6", "--agent-timeout", "60",
             "--output-dir", str(out), "--run-name", "e2e", *extra]
+
+
+def embedded(args: list[str], work: Path) -> tuple[list[str], dict[str, str]]:
+    """Arguments and environment for the one-command path: no --harbor-url, so the script starts the Harbor server
+    itself; the rig's wrapper of `openenv harbor serve` stands in for the installed one."""
+    if "--harbor-url" in args:
+        i = args.index("--harbor-url")
+        args = args[:i] + args[i + 2:]
+    command = shlex.join([os.environ["AGH_SERVER_PYTHON"], str(RIG / "harbor_server.py")])
+    env = {"RIG_SANDBOX_DIR": str(work / "sandboxes"), "OPENENV_HARBOR_TRIALS_DIR": str(work / "trials")}
+    return [*args, "--harbor-command", command], env
 
 
 def log_history(out: Path, step: int | None = None) -> list[dict]:

@@ -14,6 +14,7 @@ def assert_refused(proc, *needles: str) -> None:
     for needle in needles:
         assert needle in lines[0]
     assert "async_grpo_harbor\n" not in proc.stdout, "training set-up started"
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("args, needles", [
@@ -21,6 +22,8 @@ def assert_refused(proc, *needles: str) -> None:
     (["--num-generations", "8", "--max-inflight", "4"], ["--max-inflight (4) must be >= --num-generations (8)"]),
     (["--temperature", "0"], ["--temperature must be > 0"]),
     (["--agent-step-limit", "-3"], ["--agent-step-limit must be >= 1"]),
+    (["--max-inflight", "-2"], ["--max-inflight must be >= 1 (got -2)"]),
+    (["--probe-rollout"], ["--probe-rollout is part of --check"]),
 ])
 def test_impossible_settings(tmp_path, args, needles):
     assert_refused(run_script(args, cwd=tmp_path), *needles)
@@ -43,6 +46,7 @@ def test_unreachable_harbor_server(rig, tmp_path):
     (["--tasks", "0-2,9"], ["--tasks: task index 9 is out of range", "5 tasks"]),
     (["--tasks", "@missing.txt"], ["cannot read missing.txt"]),
     (["--dataset", "some/other-suite"], ["does not serve 'some/other-suite'"]),
+    (["--model", "Qwen/Qwen3-4B-Instruct-2507"], ["vLLM serves", "but --model is Qwen/Qwen3-4B-Instruct-2507"]),
     (["--max-inflight", "9", "--num-generations", "2"], ["only 8 free session slots of the 9",
                                                          "MAX_CONCURRENT_ENVS=18"]),
 ])
@@ -50,10 +54,15 @@ def test_unknown_names_are_refused_with_the_valid_ones(rig, tmp_path, args, need
     assert_refused(run_script([*rig.base_args(), *args], cwd=tmp_path), *needles)
 
 
-def test_task_file_errors_name_the_line(rig, tmp_path):
-    (tmp_path / "tasks.txt").write_text("# curated\ncoin\necho-hello  # always solved\n5\n")
+@pytest.mark.parametrize("content, needles", [
+    ("# curated\ncoin\necho-hello  # always solved\n5\n", ["tasks.txt:4: task index 5 is out of range"]),
+    ("coin\n\nthis is not a task\n", ["tasks.txt:3: no task named 'this is not a task'"]),
+    ("# nothing but comments\n\n", ["tasks.txt lists no tasks"]),
+])
+def test_task_file_errors_name_the_line(rig, tmp_path, content, needles):
+    (tmp_path / "tasks.txt").write_text(content)
     proc = run_script([*rig.base_args(), "--tasks", "@tasks.txt"], cwd=tmp_path)
-    assert_refused(proc, "tasks.txt:4: task index 5 is out of range")
+    assert_refused(proc, *needles)
 
 
 def test_output_dir_of_another_run_needs_resume(rig, tmp_path):

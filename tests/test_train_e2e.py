@@ -6,21 +6,23 @@ from __future__ import annotations
 import json
 import math
 import re
+import urllib.request
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from conftest import MAX_MODEL_LEN, SECRETS, TASKS, assert_all_slots_free, log_history, rollouts, run_script, train_args
+from conftest import MAX_MODEL_LEN, SECRETS, TASKS, embedded, log_history, rollouts, run_script, train_args
 from safetensors.torch import load_file
 
 @pytest.fixture(scope="module")
 def trained(rig, tmp_path_factory):
+    # The README's one command: no --harbor-url, so the script runs its own Harbor server.
     work = tmp_path_factory.mktemp("train")
     before = (len(rig.engine_stats()["chat"]), datetime.now(timezone.utc))
-    args = train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1", "--report-to", "trackio",
-                      "--project", "e2e")
-    proc = run_script(args, cwd=work, HF_HOME=str(work / "hf"), TRACKIO_DIR=str(work / "trackio"), **SECRETS)
+    args, env = embedded(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1", "--report-to",
+                                    "trackio", "--project", "e2e"), work)
+    proc = run_script(args, cwd=work, HF_HOME=str(work / "hf"), TRACKIO_DIR=str(work / "trackio"), **SECRETS, **env)
     return proc, work / "out", rig, before
 
 
@@ -49,7 +51,9 @@ def test_first_step_scores_exactly_what_the_engine_sampled(trained):
 def test_engine_sampled_at_the_trainers_temperature(trained):
     proc, _, rig, before = trained
     chats = rig.engine_stats()["chat"][before[0]:]
-    agent_calls = [c for c in chats if c["script"] != "reply"]  # "reply": the proxy's own tool-less probes
+    # Left out: tool-less probes ("reply", the proxy's and the preflight's) and the preflight's tool probe, which names
+    # no task: each probes a sampling setting on purpose.
+    agent_calls = [c for c in chats if c["script"] != "reply" and not c["script"].endswith(":unknown")]
     assert agent_calls, "no agent call reached the engine"
     assert {c["sampling"].get("temperature") for c in agent_calls} == {0.7}
     assert {c["score_temperature"] for c in agent_calls} == {0.7}
@@ -73,9 +77,9 @@ def test_trainable_tokens_reach_the_loss(trained):
 
 def test_concurrent_rollouts_run_side_by_side(trained):
     # One client per session: with --max-inflight 4, Harbor trials of this run overlap in time on the server.
-    _, _, rig, before = trained
+    _, out, _, before = trained
     spans = []
-    for result in (rig.workdir / "trials").glob("*/result.json"):
+    for result in (out.parent / "trials").glob("*/result.json"):
         r = json.loads(result.read_text())
         start, end = (datetime.fromisoformat(r[k].replace("Z", "+00:00")) for k in ("started_at", "finished_at"))
         if start >= before[1]:
@@ -93,9 +97,15 @@ def test_rollout_child_exits_on_its_own(trained):
     assert re.search(r"rollout worker exited on its own in [\d.]+s \(exit code 0\)", proc.stdout), proc.stdout[-2000:]
 
 
-def test_server_gets_every_session_slot_back(trained):
-    _, _, rig, _ = trained
-    assert_all_slots_free(rig)
+def test_runs_its_own_harbor_server_and_stops_it(trained):
+    proc, out, _, _ = trained
+    assert re.search(r"PASS  Harbor server\s+started http://127\.0\.0\.1:\d+ ", proc.stdout), proc.stdout[:3000]
+    assert "PASS  capture tier" in proc.stdout, "the preflight table runs before training"
+    url = re.search(r"harbor\s+(http://127\.0\.0\.1:\d+) \(started here, log .*harbor_server\.log\)", proc.stdout)
+    assert url, "hyper-parameter table"
+    assert "sandboxes" in (out / "harbor_server.log").read_text(), "the server's start-up report goes to its log"
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{url[1]}/harbor_env/splits", timeout=5)
 
 
 def test_no_secret_reaches_output_logs_or_trackio(trained):
@@ -115,8 +125,9 @@ def test_resume_continues_the_task_order(trained, tmp_path):
     states = {c: json.loads((c / "rollout_state.json").read_text()) for c in checkpoints}
     checkpoint = next(c for c, state in states.items() if state["prompt_index"] % len(tasks))
     step, position = int(checkpoint.name.split("-")[1]), states[checkpoint]["prompt_index"]
-    resumed = run_script(train_args(rig, out, "--max-steps", str(step + 1), "--save-steps", "1",
-                                    "--resume", str(checkpoint)), cwd=tmp_path)
+    args, env = embedded(train_args(rig, out, "--max-steps", str(step + 1), "--save-steps", "1",
+                                    "--resume", str(checkpoint)), tmp_path)
+    resumed = run_script(args, cwd=tmp_path, **env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # Group ids restart at 0 in the resumed run; its task order starts at the saved position.
     first_groups = sorted({(group, name) for group, name, _ in rollouts(resumed.stdout)})

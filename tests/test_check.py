@@ -1,0 +1,142 @@
+"""`--check`: one table, a PASS/WARN/FAIL/SKIP row per check and the fix under each failure; exit 0 only when nothing
+FAILs. The same checks run before every training run. Without --harbor-url the script runs its own Harbor server."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from conftest import SCRIPT, SECRETS, embedded, free_port, run_script, script_env
+
+ROW = re.compile(r"^  (PASS|WARN|FAIL|SKIP)  (\S+(?: \S+)*)\s{2,}(.*)$", re.M)
+
+
+def table(stdout: str) -> dict[str, tuple[str, str]]:
+    return {check: (status, detail) for status, check, detail in ROW.findall(stdout)}
+
+
+def refused_with(proc, check: str, *needles: str) -> None:
+    """Exit 2, the failing row in the table, and one line on stderr that says what to do."""
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert table(proc.stdout)[check][0] == "FAIL", proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_healthy_setup_passes_and_an_external_server_is_used_as_is(rig, tmp_path):
+    proc = run_script([*rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--check"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = table(proc.stdout)
+    assert {status for status, _ in rows.values()} <= {"PASS", "WARN", "SKIP"}, rows
+    for check in ("vLLM reachable", "served model", "capture tier", "tool calls", "weight transfer", "dtype",
+                  "Harbor server", "harness", "sandbox", "server's engine", "session slots", "dataset", "tasks"):
+        assert rows[check][0] == "PASS", (check, rows[check])
+    assert rows["Harbor server"][1].endswith("(yours)")
+    assert rows["reward key"][0] == "SKIP" and "--probe-rollout" in rows["reward key"][1]
+    assert not (tmp_path / "out" / "harbor_server.log").exists()
+    assert "async_grpo_harbor\n" not in proc.stdout, "training set-up started"
+
+
+def test_probe_rollout_on_its_own_server_confirms_the_reward_key_then_stops_the_server(rig, tmp_path):
+    args, env = embedded([*rig.base_args(), "--tasks", "coin2", "--reward-key", "correct", "--output-dir", "out",
+                          "--check", "--probe-rollout", "--agent-step-limit", "6"], tmp_path)
+    proc = run_script(args, cwd=tmp_path, **env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = table(proc.stdout)
+    started = re.match(r"started (http://127\.0\.0\.1:\d+) in \d+s \(log: out/harbor_server\.log\)",
+                       rows["Harbor server"][1])
+    assert started, rows["Harbor server"]
+    assert rows["probe rollout"][0] == "PASS" and "train tier" in rows["probe rollout"][1]
+    assert rows["reward key"][0] == "PASS" and "correct, format emitted" in rows["reward key"][1]
+    assert "openenv" in (tmp_path / "out" / "harbor_server.log").read_text().lower()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{started[1]}/harbor_env/splits", timeout=5)
+
+
+def test_a_reward_key_the_tasks_do_not_emit_names_the_ones_they_do(rig, tmp_path):
+    proc = run_script([*rig.base_args(), "--tasks", "coin2", "--reward-key", "score", "--check", "--probe-rollout",
+                       "--agent-step-limit", "6"], cwd=tmp_path)
+    refused_with(proc, "reward key", "--reward-key 'score' is not emitted by coin2; it emits: correct, format")
+
+
+@pytest.mark.parametrize("engine_flag, check, fix", [
+    ("--no-tool-parser", "tool calls", "--enable-auto-tool-choice --tool-call-parser"),
+    ("--raw-logprobs", "capture tier", "--logprobs-mode processed_logprobs"),
+    ("--no-dev-mode", "weight transfer", "VLLM_SERVER_DEV_MODE=1"),
+    ("--no-weight-transfer", "weight transfer", "--weight-transfer-config"),
+])
+def test_a_vllm_launched_without_a_flag_the_trainer_needs_is_refused_naming_it(make_rig, tmp_path, engine_flag,
+                                                                                 check, fix):
+    engine = make_rig(engine_flag, harbor=False)
+    proc = run_script([*engine.base_args(), "--harbor-url", f"http://127.0.0.1:{free_port()}", "--tasks", "coin",
+                       "--check"], cwd=tmp_path)
+    refused_with(proc, check, fix)
+
+
+def test_missing_sandbox_credentials_name_the_variable(rig, tmp_path):
+    args, env = embedded([*rig.base_args(), "--sandbox", "e2b", "--tasks", "coin", "--output-dir", "out"], tmp_path)
+    proc = run_script(args, cwd=tmp_path, **env, E2B_API_KEY="")
+    refused_with(proc, "credentials", "E2B_API_KEY is not set")
+    assert not (tmp_path / "out" / "harbor_server.log").exists(), "the server was started anyway"
+
+
+def test_a_cloud_sandbox_cannot_reach_a_loopback_capture_proxy(rig, tmp_path):
+    args, env = embedded([*rig.base_args(), "--sandbox", "e2b", "--tasks", "coin"], tmp_path)
+    proc = run_script(args, cwd=tmp_path, **env, **SECRETS)
+    refused_with(proc, "capture URL", "cannot reach the capture proxy at 127.0.0.1", "--harbor-expose cloudflare")
+    assert table(proc.stdout)["credentials"][0] == "PASS"
+    assert SECRETS["E2B_API_KEY"] not in proc.stdout + proc.stderr
+
+
+def test_a_harbor_server_that_dies_at_start_shows_its_log(rig, tmp_path):
+    args, env = embedded([*rig.base_args(), "--tasks", "coin", "--output-dir", "out"], tmp_path)
+    args[-1] = f"{sys.executable} -c 'print(\"no such dataset, says the server\"); raise SystemExit(3)'"
+    proc = run_script(args, cwd=tmp_path, **env)
+    refused_with(proc, "Harbor server", "the Harbor server exited with code 3 while starting (log: "
+                                        "out/harbor_server.log)")
+    assert "no such dataset, says the server" in proc.stdout
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill"])
+def test_its_own_harbor_server_never_outlives_it(rig, tmp_path, how):
+    # Ctrl-C reaches the whole process group; SIGTERM (a scheduler, `kill`) only the script; SIGKILL runs no cleanup
+    # of ours at all.
+    args, env = embedded([*rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--check", "--probe-rollout",
+                          "--agent-step-limit", "6"], tmp_path)
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=script_env(**env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    log = tmp_path / "out" / "harbor_server.log"
+    url = None
+    deadline = time.monotonic() + 300
+    while url is None and time.monotonic() < deadline and proc.poll() is None:
+        port = re.search(r" --port (\d+) ", log.read_text()) if log.exists() else None
+        try:
+            if port:
+                urllib.request.urlopen(f"http://127.0.0.1:{port[1]}/harbor_env/splits", timeout=5)
+                url = f"http://127.0.0.1:{port[1]}"
+        except OSError:
+            pass
+        time.sleep(0.5)
+    assert url, proc.communicate()[0][-3000:]
+    {"ctrl-c": lambda: os.killpg(proc.pid, signal.SIGINT), "sigterm": lambda: proc.send_signal(signal.SIGTERM),
+     "sigkill": lambda: proc.send_signal(signal.SIGKILL)}[how]()
+    output = proc.communicate(timeout=120)[0]
+    assert "Traceback" not in output, output[-3000:]
+    deadline = time.monotonic() + 60  # a bound on the test, not a measurement: the server winds its sessions down
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/harbor_env/splits", timeout=5)
+        except OSError:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"the Harbor server at {url} outlived the script ({how})")
