@@ -12,7 +12,9 @@ by side in one run:
 4. the factory's own per-rollout work (client construction, session create/close over HTTP, result parse, trace
    conversion), timed on a real rollout result, as a fraction of the rollout's wall time.
 
-Ends with `perf: ratio_min=<x> shutdown_s=<y> startup_s=<z>`. Run: `bash bench/run.sh [--reps 3]`.
+With py-spy (bench/run.sh provides it): a profile of the worker's stop, and of the server and the rollout child
+during one factory window at the highest N. Ends with `perf: ratio_min=<x> shutdown_s=<y> startup_s=<z>`.
+Run: `bash bench/run.sh [--reps 3] [--sections script,stop,overhead,throughput,profile] [--json FILE]`.
 """
 
 from __future__ import annotations
