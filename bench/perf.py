@@ -396,7 +396,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,2,4,8", help="levels N, comma-separated")
     p.add_argument("--reps", type=int, default=3, help="repetitions per N (each measures both paths)")
-    p.add_argument("--waves", type=int, default=2, help="rollouts timed per repetition, in units of N (at least 4)")
+    p.add_argument("--waves", type=int, default=1, help="rollouts timed per repetition, in units of N (at least 4)")
     p.add_argument("--sections", default="script,stop,overhead,throughput,profile", help="what to measure, comma-separated")
     p.add_argument("--script-runs", type=int, default=2, help="runs of the script for startup / shutdown")
     p.add_argument("--max-steps", type=int, default=2, help="optimizer steps per script run")
