@@ -129,8 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="For tasks that emit several rewards: the key to train on, or a comma-separated preference "
                         "list. Empty: the task's `reward`.")
     g.add_argument("--agent-step-limit", type=int, default=30,
-                   help="Model calls per rollout (a count, capped at the proxy). A memory guard, not a cost knob: "
-                        "every turn re-sends the conversation, so a rollout's packed length grows with its square.")
+                   help="Model calls per rollout (a count, capped at the proxy). A memory guard: a rollout's packed "
+                        "row grows by every turn (~1k tokens), and the tokens forwarded to vLLM with its square (each "
+                        "turn re-sends the conversation). 30 is the longest whose row fits a 32k context at ~1k tokens "
+                        "per turn (README: Capacity).")
     g.add_argument("--agent-timeout", type=float, default=600.0,
                    help="Seconds the agent may run per rollout; 0 uses the task's own timeout.")
 
@@ -461,11 +463,16 @@ class HarborServerSession:
             conn.close()
 
 
-class HarborRolloutClient(HarborEnv):
-    """`HarborEnv` whose MCP calls ride a `HarborServerSession`, so `run_rollout` keeps its exact wire contract."""
+class HarborRolloutClient:
+    """`HarborEnv.run_rollout` (its exact wire contract) with its MCP calls riding a `HarborServerSession`.
+
+    Not a `HarborEnv` instance: its constructor builds an httpx client that a rollout never uses, and that costs
+    ~20 ms of CPU per rollout (TLS context) on the rollout child's thread pool.
+    """
+
+    run_rollout = HarborEnv.run_rollout
 
     def __init__(self, base_url: str, timeout_s: float):
-        super().__init__(base_url=base_url, message_timeout_s=timeout_s)
         self.server_session = HarborServerSession(base_url, timeout_s)
 
     def _call(self, name: str, **kwargs: Any) -> Any:
@@ -476,7 +483,6 @@ class HarborRolloutClient(HarborEnv):
 
     def close(self) -> None:
         self.server_session.close()
-        self._http.close()
 
 
 class HarborSession(ResourceSession):
