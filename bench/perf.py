@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
-from conftest import RIG, SERVED_NAME, Rig, script_env  # noqa: E402
+from conftest import RIG, Rig, script_env  # noqa: E402
 
 if os.environ.get("AGH_CPU_RIG") != "1":  # the worker needs the rig's CPU stand-ins, in this process and its child
     os.execve(sys.executable, [sys.executable, *sys.argv], script_env())
