@@ -1846,8 +1846,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    share = join_ranks() if world > 1 else None
+    rank = launch_rank()
+    share = join_ranks() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
     try:
         code, plan = None, {}
@@ -1875,6 +1875,11 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
 
 
+def launch_rank() -> int:
+    """This process's global rank under `accelerate launch` / torchrun; 0 when launched alone."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def join_ranks():
     """Under `accelerate launch` / torchrun: rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on
     the main process only); the others take its plan and run name, so N processes start one server and write one run.
@@ -1898,9 +1903,10 @@ def join_ranks():
     return share
 
 
-def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
+def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
+                          server: EmbeddedHarborServer | None) -> None:
     llm, tasks = plan["llm"], plan["tasks"]
-    print_table("async_grpo_harbor" if int(os.environ.get("RANK", "0")) == 0 else "", {
+    print_table("async_grpo_harbor", {
         "run name": args.run_name, "output dir": args.output_dir, "resume from": plan["resume"] or "-",
         "model": args.model, "vllm": args.vllm_url,
         "harbor": f"{args.harbor_url}" + (f" (started here, log {server.log_path})" if server else ""),
@@ -1917,7 +1923,12 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
         "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
         "report to": f"{args.report_to} (project {args.project})",
     })
-    trainer = build_trainer(args, plan["split"], tasks)
+
+
+def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
+    if launch_rank() == 0:
+        print_hyperparameters(args, plan, server)
+    trainer = build_trainer(args, plan["split"], plan["tasks"])
     STOP.deferred = True
     try:
         trainer.train(resume_from_checkpoint=plan["resume"])
