@@ -153,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
     g.add_argument("--max-completion-length", type=int, default=1024,
                    help="Tokens per model call (an agent turn). The Harbor server this script starts caps every turn "
-                        "there (its --max-output-tokens); a server of yours needs that flag set to match. An agent turn "
-                        "is a thought and one command: 30 turns x 1024 fit a 32k context.")
+                        "there (its --max-output-tokens); a server of yours needs that flag set to match. An agent "
+                        "turn is a thought and one command: 30 turns x 1024 fit a 32k context.")
     g.add_argument("--learning-rate", type=float, default=1e-6,
                    help="AdamW learning rate, constant: the number of rollouts per step varies with their length, "
                         "so a decay horizon in steps means little.")
@@ -934,7 +934,8 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
              "unknown": (WARN, "could not tell whether tool calls work")}
     status, detail = tools.get(report.tool_support, (WARN, "not probed"))
     pf.add("tool calls", status, detail,
-           "serve with --enable-auto-tool-choice --tool-call-parser <the parser of your model family, hermes for Qwen3>")
+           "serve with --enable-auto-tool-choice --tool-call-parser <the parser of your model family, hermes for "
+           "Qwen3>")
 
     try:
         config = http_json(f"{args.vllm_url}/server_info?config_format=json")["vllm_config"]
