@@ -656,11 +656,16 @@ class HarborSessionFactory(ResourceSessionFactory):
         if failure is None:
             phases = "".join(f", {name} {seconds:.1f}s" for name, seconds in r.phase_timings.items())
             stops = f", {r.budget_stop_count} budget stops" if r.budget_stop_count else ""
-            print(f"[harbor] {session.label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
-                  f"{session.harness}{phases}{stops}", flush=True)
-            return
-        print(redact(f"[harbor] {session.label}: unscorable: {failure[:300]} (harness {session.harness})"), flush=True)
-        if count >= self.max_consecutive_failures:
+            line = (f"[harbor] {session.label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
+                    f"{session.harness}{phases}{stops}")
+        else:
+            line = redact(f"[harbor] {session.label}: unscorable: {failure[:300]} (harness {session.harness})")
+        # One locked write per line: rollouts finish on several threads at once, and print() writes the text and its
+        # newline separately, so two lines ran into one (seen in a test run) and log parsers missed a rollout.
+        with self._lock:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+        if failure is not None and count >= self.max_consecutive_failures:
             raise ValueError(redact(
                 f"{ROLLOUTS_FAILING} {count} consecutive rollouts were unscorable; the last: {failure[:300]}"))
 
