@@ -243,11 +243,15 @@ _PATCHES = {
     f"{_PKG}.async_rollout_worker": _patch_rollout_worker,
     f"{_PKG}.weight_transfer": _patch_weight_transfer,
 }
+# Offline GPU runs (tests/gpu, AGH_CPU_RIG=attention) stand in for the hub-fetched kernel alone: vLLM, NCCL and CUDA
+# are real there.
+ATTENTION_ONLY = (f"{_PKG}.packing",)
 _applied: set[str] = set()
+_active: set[str] = set(_PATCHES)
 
 
 def _apply(name: str, module) -> None:
-    if name in _applied:
+    if name in _applied or name not in _active:
         return
     _PATCHES[name](module)
     _applied.add(name)
@@ -271,7 +275,7 @@ class _PatchingLoader(importlib.abc.Loader):
 
 class _PatchingFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _PATCHES or fullname in _applied:
+        if fullname not in _active or fullname in _applied:
             return None
         spec = None
         for finder in sys.meta_path:  # whoever would have found it (site-packages, an editable install, ...)
@@ -289,9 +293,11 @@ class _PatchingFinder(importlib.abc.MetaPathFinder):
 _finder = _PatchingFinder()
 
 
-def install() -> None:
-    """Apply the CPU stand-ins to the TRL modules already imported, and to the others when they are imported."""
-    for name in _PATCHES:
+def install(names=None) -> None:
+    """Apply the CPU stand-ins (all, or those of the modules in `names`) to the TRL modules already imported, and to
+    the others when they are imported."""
+    _active.intersection_update(names or _PATCHES)
+    for name in _active:
         module = sys.modules.get(name)
         if module is not None:
             _apply(name, module)

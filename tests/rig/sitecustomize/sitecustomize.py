@@ -21,15 +21,15 @@ def _chain_next_sitecustomize() -> None:
         spec.loader.exec_module(module)
 
 
-def _install_rig() -> None:
+def _install_rig(attention_only: bool) -> None:
     rig_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/rig
     if rig_dir not in sys.path:
         sys.path.append(rig_dir)
     import cpu_trainer
 
-    cpu_trainer.install()
+    cpu_trainer.install(cpu_trainer.ATTENTION_ONLY if attention_only else None)
 
 
 _chain_next_sitecustomize()
-if os.environ.get("AGH_CPU_RIG") == "1":
-    _install_rig()
+if os.environ.get("AGH_CPU_RIG") in ("1", "attention"):
+    _install_rig(attention_only=os.environ["AGH_CPU_RIG"] == "attention")
