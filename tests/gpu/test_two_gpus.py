@@ -125,6 +125,41 @@ def test_check_passes_every_engine_row(stack):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_trains_three_steps_with_nccl_pushes_into_vllm(stack):
+    work, model, vllm_url = stack["work"], stack["model"], stack["vllm_url"]
+    out = work / "train"
+    served = get_json(f"{vllm_url}/v1/models")["data"][0]["id"]
+    ids_before, lp_before = engine_logprobs(vllm_url, served)
+    proc = run_script([*stack["base"], "--num-generations", "4", "--max-inflight", "8", "--micro-batches-per-step",
+                       "1", "--max-steps", "3", "--save-steps", "3", "--learning-rate", "1e-4", "--temperature",
+                       "1.0", "--output-dir", str(out), "--run-name", "gpu-smoke"], work, 1200,
+                      CUDA_VISIBLE_DEVICES="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    steps = [e for e in state["log_history"] if "loss" in e]
+    print("log_history:", json.dumps(steps, indent=1), flush=True)
+    assert [e["step"] for e in steps] == [1, 2, 3]
+    assert all(math.isfinite(e["loss"]) for e in steps)
+    # Step 1 trains on what the engine sampled with the weights it started with: the importance ratio is 1 up to the
+    # bf16 (engine) vs bf16-autocast (trainer) difference.
+    assert steps[0]["ratio"] == pytest.approx(1.0, abs=0.02), steps[0]
+    assert all(e.get("perf/weight_sync_s", 0) > 0 for e in steps), "a step without a weight push"
+
+    # After the pushes the engine scores with the trained weights: its logprobs moved, and they match the saved model's.
+    ids_after, lp_after = engine_logprobs(vllm_url, served)
+    moved = max(abs(a - b) for a, b in zip(lp_before, lp_after)) if ids_before == ids_after else math.inf
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).to("cuda:1")
+    with torch.no_grad():
+        logits = trained(torch.tensor([PROMPT_IDS + ids_after], device="cuda:1")).logits.float().log_softmax(-1)[0]
+    reference = [logits[len(PROMPT_IDS) - 1 + i, t].item() for i, t in enumerate(ids_after)]
+    gap = max(abs(a - b) for a, b in zip(lp_after, reference))
+    print(f"engine logprobs moved by up to {moved:.4f}; after training |vllm - trained model| <= {gap:.4f}", flush=True)
+    assert moved > 0.01
+    assert gap < 0.1
+
+
 # Each vLLM started without one of the README's flags must fail the row that flag feeds, naming the flag as the fix.
 MISSING_FLAG = {
     "token ids": (dict(flags=[f for f in README_FLAGS if f != "--return-tokens-as-token-ids"]), "capture tier",
@@ -161,38 +196,3 @@ def test_each_missing_vllm_flag_fails_its_row_with_its_fix(stack):
     finally:
         for service, _ in servers.values():
             service.stop()
-
-
-def test_trains_three_steps_with_nccl_pushes_into_vllm(stack):
-    work, model, vllm_url = stack["work"], stack["model"], stack["vllm_url"]
-    out = work / "train"
-    served = get_json(f"{vllm_url}/v1/models")["data"][0]["id"]
-    ids_before, lp_before = engine_logprobs(vllm_url, served)
-    proc = run_script([*stack["base"], "--num-generations", "4", "--max-inflight", "8", "--micro-batches-per-step",
-                       "1", "--max-steps", "3", "--save-steps", "3", "--learning-rate", "1e-4", "--temperature",
-                       "1.0", "--output-dir", str(out), "--run-name", "gpu-smoke"], work, 1200,
-                      CUDA_VISIBLE_DEVICES="1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
-    steps = [e for e in state["log_history"] if "loss" in e]
-    print("log_history:", json.dumps(steps, indent=1), flush=True)
-    assert [e["step"] for e in steps] == [1, 2, 3]
-    assert all(math.isfinite(e["loss"]) for e in steps)
-    # Step 1 trains on what the engine sampled with the weights it started with: the importance ratio is 1 up to the
-    # bf16 (engine) vs bf16-autocast (trainer) difference.
-    assert steps[0]["ratio"] == pytest.approx(1.0, abs=0.02), steps[0]
-    assert all(e.get("perf/weight_sync_s", 0) > 0 for e in steps), "a step without a weight push"
-
-    # After the pushes the engine scores with the trained weights: its logprobs moved, and they match the saved model's.
-    ids_after, lp_after = engine_logprobs(vllm_url, served)
-    moved = max(abs(a - b) for a, b in zip(lp_before, lp_after)) if ids_before == ids_after else math.inf
-    from transformers import AutoModelForCausalLM
-
-    trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).to("cuda:1")
-    with torch.no_grad():
-        logits = trained(torch.tensor([PROMPT_IDS + ids_after], device="cuda:1")).logits.float().log_softmax(-1)[0]
-    reference = [logits[len(PROMPT_IDS) - 1 + i, t].item() for i, t in enumerate(ids_after)]
-    gap = max(abs(a - b) for a, b in zip(lp_after, reference))
-    print(f"engine logprobs moved by up to {moved:.4f}; after training |vllm - trained model| <= {gap:.4f}", flush=True)
-    assert moved > 0.01
-    assert gap < 0.1
