@@ -62,7 +62,7 @@ def start_vllm(model: Path, log: Path, gpu: str, *, flags=README_FLAGS, dev_mode
            str(port), "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization",
            str(memory), "--enforce-eager", *flags]
     env = {"CUDA_VISIBLE_DEVICES": gpu, **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
-    service = Service(f"vllm ({log.name})", cmd, log, f"http://127.0.0.1:{port}/health", env=base_env(**env))
+    service = Service(f"vllm ({log.name})", cmd, log, f"http://127.0.0.1:{port}/v1/models", env=base_env(**env))
     return service, f"http://127.0.0.1:{port}"
 
 
@@ -93,17 +93,20 @@ def stack(tmp_path_factory):
     subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(model)], check=True)
     t0 = time.monotonic()
     vllm, vllm_url = start_vllm(model, work / "vllm.log", "0")
-    harbor_port = free_port()
-    harbor = Service("harbor server", [os.environ.get("AGH_SERVER_PYTHON", sys.executable), str(RIG / "harbor_server.py"),
-                                       "--dataset", str(TASKS), "--llm-url", f"{vllm_url}/v1", "--host", "127.0.0.1",
-                                       "--port", str(harbor_port), "--capture-port", str(free_port()), "--expose",
-                                       "direct"],
-                     work / "harbor.log", f"http://127.0.0.1:{harbor_port}/harbor_env/splits",
-                     env={**NCCL_SAFE, "MAX_CONCURRENT_ENVS": "16", "RIG_SANDBOX_DIR": str(work / "sandboxes"),
-                          "OPENENV_HARBOR_TRIALS_DIR": str(work / "trials")}, cwd=work)
+    harbor = None
     try:
         vllm.wait_ready(timeout=600)
         print(f"vLLM ready in {time.monotonic() - t0:.0f}s", flush=True)
+        # The Harbor server probes its engine once, at start.
+        harbor_port = free_port()
+        harbor = Service("harbor server", [os.environ.get("AGH_SERVER_PYTHON", sys.executable), str(RIG / "harbor_server.py"),
+                                           "--dataset", str(TASKS), "--llm-url", f"{vllm_url}/v1", "--model", str(model),
+                                           "--host", "127.0.0.1",
+                                           "--port", str(harbor_port), "--capture-port", str(free_port()), "--expose",
+                                           "direct"],
+                         work / "harbor.log", f"http://127.0.0.1:{harbor_port}/harbor_env/splits",
+                         env={**NCCL_SAFE, "MAX_CONCURRENT_ENVS": "16", "RIG_SANDBOX_DIR": str(work / "sandboxes"),
+                              "OPENENV_HARBOR_TRIALS_DIR": str(work / "trials")}, cwd=work)
         harbor.wait_ready(timeout=300)
         harbor_url = f"http://127.0.0.1:{harbor_port}"
         split = get_json(f"{harbor_url}/harbor_env/splits")[0]["name"]
@@ -112,7 +115,8 @@ def stack(tmp_path_factory):
                 "--agent-step-limit", "3", "--max-completion-length", "64", "--agent-timeout", "120"]
         yield {"work": work, "model": model, "vllm_url": vllm_url, "base": base}
     finally:
-        harbor.stop()
+        if harbor is not None:
+            harbor.stop()
         vllm.stop()
 
 
@@ -120,8 +124,10 @@ def test_check_passes_every_engine_row(stack):
     proc = run_script([*stack["base"], "--check", "--output-dir", str(stack["work"] / "check")], stack["work"], 600,
                       CUDA_VISIBLE_DEVICES="1")
     found = rows(proc.stdout)
-    for row in ("vLLM reachable", "served model", "capture tier", "tool calls", "weight transfer", "dtype"):
+    for row in ("vLLM reachable", "served model", "capture tier", "weight transfer", "dtype", "context"):
         assert found.get(row, ("missing",))[0] == "PASS", (row, found.get(row))
+    # A random-weight model answers a tool request in prose, or in nothing the parser can read: the row cannot PASS.
+    assert found["tool calls"][0] in ("PASS", "WARN"), found["tool calls"]
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -161,9 +167,9 @@ def test_trains_three_steps_with_nccl_pushes_into_vllm(stack):
 
 
 # Each vLLM started without one of the README's flags must fail the row that flag feeds, naming the flag as the fix.
+# Seen on vLLM 0.26.0: without --return-tokens-as-token-ids the proxy still gets token ids (it asks for them per
+# request), so that flag has no row of its own to fail.
 MISSING_FLAG = {
-    "token ids": (dict(flags=[f for f in README_FLAGS if f != "--return-tokens-as-token-ids"]), "capture tier",
-                  "--return-tokens-as-token-ids"),
     "processed logprobs": (dict(flags=[f for f in README_FLAGS if f not in ("--logprobs-mode", "processed_logprobs")]),
                            "capture tier", "processed_logprobs"),
     "tool parser": (dict(flags=[f for f in README_FLAGS if f not in ("--enable-auto-tool-choice", "--tool-call-parser",
