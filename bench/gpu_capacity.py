@@ -179,6 +179,9 @@ def main() -> int:
     p.add_argument("--sections", default="memory,vllm,sync")
     p.add_argument("--work", default="/tmp/gpu-capacity")
     args = p.parse_args()
+    # The trainer sees only its own GPU, as in the README's command: with both visible, TRL's NCCL init thread runs on
+    # the default device, GPU 0, where vLLM's rank is, and NCCL refuses two ranks on one device ("invalid usage").
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1"
     import torch
 
     work = Path(args.work)
@@ -208,13 +211,12 @@ def main() -> int:
     try:
         # The trainer GPU works while vLLM starts on the other one.
         if "memory" in sections:
-            results |= measure_memory([int(x) for x in args.lengths.split(",")], "cuda:1")
+            results |= measure_memory([int(x) for x in args.lengths.split(",")], "cuda:0")
         if server is not None:
             healthy.join(timeout=900)
             print(f"vLLM (4B shape, README flags) healthy after {results.get('vllm/startup_s')}s", flush=True)
         if "sync" in sections:
-            torch.cuda.set_device(1)
-            results |= measure_sync(url, model_dir, "cuda:1")
+            results |= measure_sync(url, model_dir, "cuda:0")
     finally:
         if server is not None:
             server.terminate()
