@@ -768,9 +768,10 @@ def _die_with_parent() -> None:
 class EmbeddedHarborServer:
     """`openenv harbor serve` as a child of this process, so one command runs everything after `vllm serve`.
 
-    Bound to 127.0.0.1, with the --expose that --harbor-expose picks (the preflight resolves auto): OpenEnv's default
-    (gradio) opens a public tunnel whatever the sandbox. Its session slots are sized from --max-inflight, its per-turn cap is
-    --max-completion-length, its log goes to the output dir, and it is stopped on every way out of `main`.
+    Bound to 127.0.0.1, with the --expose that --harbor-expose picks (the preflight resolves auto): OpenEnv's
+    default (gradio) opens a public tunnel whatever the sandbox. Its session slots are sized from --max-inflight, its
+    per-turn cap is --max-completion-length, its log goes to the output dir, and it is stopped on every way out of
+    `main`.
     """
 
     def __init__(self, args: argparse.Namespace):
@@ -1002,22 +1003,22 @@ def check_capture_tier(pf: Preflight, report: Any, logprobs_mode: str | None) ->
     vLLM's `--logprobs-mode` in /server_info decides it whatever the model.
     """
     fix = "restart vLLM with --logprobs-mode processed_logprobs"
-    if report.capture_level != "tokens":
-        flags = {"logprobs": "--return-tokens-as-token-ids"}.get(
-            report.capture_level, "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
-        pf.add("capture tier", FAIL, f"the engine's rollouts would be eval tier ({report.capture_level or 'nothing'} "
-               "captured, no token ids): nothing to train on", f"restart vLLM with {flags}")
-    elif logprobs_mode == "processed_logprobs":
-        pf.add("capture tier", PASS, "train: token ids + processed logprobs (vLLM's /server_info: logprobs_mode "
-               "processed_logprobs)")
-    elif logprobs_mode:
+    if logprobs_mode and logprobs_mode != "processed_logprobs":
         what = ("pre-temperature logprobs (vLLM's default)" if logprobs_mode == "raw_logprobs"
                 else "logits, not logprobs")
         pf.add("capture tier", FAIL, f"vLLM's /server_info: logprobs_mode {logprobs_mode}, i.e. {what}: every "
                "importance ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
-    elif report.logprobs_mode == "raw":
+    elif report.logprobs_mode == "raw":  # OpenEnv's probe then grades the engine eval tier whatever vLLM says
         pf.add("capture tier", FAIL, "the engine returns raw (pre-temperature) logprobs, measured: every importance "
                "ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
+    elif report.capture_level != "tokens":
+        flags = {"logprobs": "--return-tokens-as-token-ids"}.get(
+            report.capture_level, "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
+        pf.add("capture tier", FAIL, f"the engine's rollouts would be eval tier ({report.capture_level or 'nothing'} "
+               "captured, no token ids): nothing to train on", f"restart vLLM with {flags}")
+    elif logprobs_mode:
+        pf.add("capture tier", PASS, "train: token ids + processed logprobs (vLLM's /server_info: logprobs_mode "
+               "processed_logprobs)")
     elif report.logprobs_mode == "processed":
         pf.add("capture tier", PASS, "train: token ids + processed logprobs (measured at two temperatures)")
     else:

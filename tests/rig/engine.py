@@ -21,8 +21,8 @@ Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_
   routes, /server_info and the weight sync ones, are 404), `--no-weight-transfer` (no `--weight-transfer-config`).
 * The TRL control plane (`/health`, `/v1/models`, `/server_info`, `/get_world_size`, `/pause`, `/resume`, the weight
   update calls) answers as vLLM's does (`/server_info?config_format=json`: the resolved config's JSON dump, with
-  `model_config.dtype` as `torch.<dtype>` and `model_config.logprobs_mode`); the NCCL receive is replaced by `POST /stand_in/load_weights`, whose body
-  is `safetensors.torch.save(state_dict)` under HF parameter names.
+  `model_config.dtype` as `torch.<dtype>` and `model_config.logprobs_mode`); the NCCL receive is replaced by
+  `POST /stand_in/load_weights`, whose body is `safetensors.torch.save(state_dict)` under HF parameter names.
 * `GET /stand_in/stats`: every chat request's sampling params and served token counts, for tests to assert on.
   `POST /stand_in/policy` replaces the policy below without a restart.
 
