@@ -1111,7 +1111,7 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
                   f"{human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
         pf.add("checkpoints", WARN if free < peak else PASS, detail,
                "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
-    check_trainer_gpus(args, pf)
+    check_trainer_gpus(pf)
     return facts
 
 
@@ -1141,7 +1141,7 @@ def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
     return apps
 
 
-def check_trainer_gpus(args: argparse.Namespace, pf: Preflight) -> None:
+def check_trainer_gpus(pf: Preflight) -> None:
     import torch
 
     if not torch.cuda.is_available():
