@@ -2,6 +2,8 @@
 # requires-python = ">=3.12"
 # dependencies = [
 #     "trl==1.16.0",
+#     # TRL's tree attention loads its CUDA kernel with it (trl[kernels] also pins it, via transformers' extra)
+#     "kernels>=0.17.2,<0.19",
 #     "openenv[harbor]==0.10.0",
 #     "vllm==0.29.0",
 #     "transformers",
@@ -18,15 +20,16 @@ scores the workspace. This script turns each rollout into a GRPO sample and trai
 
 Run it (see README.md for the full walk-through):
 
-    # 1. the policy server (GPU 0)
-    VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 --max-model-len 32768 \
-        --enable-auto-tool-choice --tool-call-parser hermes \
+    # 1. the policy server, on GPU 0 (32k-token rows need a trainer GPU of > 90 GiB in float32: README, Capacity)
+    CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 \
+        --max-model-len 32768 --enable-auto-tool-choice --tool-call-parser hermes \
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"nccl"}'
 
-    # 2. train (GPU 1); starts its own Harbor server (`openenv harbor serve`) on 127.0.0.1 and stops it at exit
-    E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
-        --vllm-url http://localhost:8000 --harbor-expose cloudflare
+    # 2. train, on GPU 1 (never vLLM's); starts its own Harbor server (`openenv harbor serve`) on 127.0.0.1 and
+    #    stops it at exit
+    CUDA_VISIBLE_DEVICES=1 E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py \
+        --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://localhost:8000
 
     # check the whole set-up without training (one real rollout with --probe-rollout)
     uv run async_grpo_harbor.py ... --check --probe-rollout
@@ -96,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="Qwen/Qwen3-4B-Instruct-2507",
                    help="Model to train (hub id or local dir). Must be the model vLLM serves: its weights are "
                         "replaced in vLLM after every optimizer step.")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="The trainer's weights and AdamW state (TRL's AsyncGRPOConfig.dtype; GPUs compute under bf16 "
+                        "autocast either way). float32: every update lands, at 16 B/param (weights, gradients, two "
+                        "moments), 12 B/param per checkpoint and 4 B/param per weight push; Qwen3-4B peaked at 75.1 "
+                        "GiB with 16k-token rows and 90.4 GiB with 32k (one H200). bfloat16: 54.4 GiB at 32k, half the "
+                        "push, vLLM's own precision, but a weight of 0.02 moves only in steps of 1.2e-4, so an AdamW "
+                        "step of ~--learning-rate below half that (1e-6 is) rounds to no change: training silently "
+                        "stops. float16: the same risk. auto: the checkpoint's dtype (bfloat16 for Qwen3).")
     g.add_argument("--vllm-url", default="http://localhost:8000",
                    help="Base URL of `vllm serve` (no /v1). The trainer pushes weights there over NCCL.")
 
@@ -106,10 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--harbor-command", default=f"{sys.executable} -m openenv.cli harbor serve",
                    help="Without --harbor-url: the command that runs `openenv harbor serve` (its options are "
                         "appended), e.g. `uvx --python 3.12 --from openenv[harbor]==0.10.0 openenv harbor serve`.")
-    g.add_argument("--harbor-expose", default="direct", choices=["direct", "cloudflare", "gradio"],
-                   help="Without --harbor-url: how sandboxes reach the capture proxy. direct advertises 127.0.0.1, "
-                        "for sandboxes on this host (docker); cloud sandboxes (e2b) need a tunnel: cloudflare "
-                        "(needs cloudflared) or gradio. Tunnels admit only per-rollout session keys.")
+    g.add_argument("--harbor-expose", default="auto", choices=["auto", "direct", "cloudflare", "gradio"],
+                   help="Without --harbor-url: how the harness reaches the capture proxy. direct advertises "
+                        "127.0.0.1: right for harnesses that run host-side (openenv's HOST_SIDE_AGENTS) and sandboxes "
+                        "that share this host's network; wrong for cloud sandboxes (e2b) and docker's bridge network, "
+                        "which need a tunnel: cloudflare (needs cloudflared) or gradio. Tunnels admit only "
+                        "per-rollout session keys. auto picks by harness and sandbox and says why in the preflight.")
     g.add_argument("--dataset", default=DEFAULT_DATASET,
                    help="Harbor dataset spec the server serves (HF repo, dir or name@version); selects the server "
                         "split. Default: 2,238 verified data-analysis tasks built for RL.")
@@ -180,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Where metrics go: trackio (local, no account needed), none, or any HF integration.")
     g.add_argument("--save-steps", type=int, default=50,
                    help="Optimizer steps between checkpoints: what a crash or preemption can lose.")
+    g.add_argument("--save-total-limit", type=int, default=2,
+                   help="Checkpoints kept in the output dir: the oldest is deleted once a newer one is complete (0 "
+                        "keeps all). Each holds weights and AdamW moments, ~48 GB for Qwen3-4B in float32; the "
+                        "preflight prints the size and the free disk.")
     g.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="Resume trainer state and task position: bare `--resume` takes the latest checkpoint in the "
                         "output dir; `auto` the same if there is one, else starts fresh (one command for the first "
@@ -218,7 +235,8 @@ class UsageError(Exception):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
-                "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1}
+                "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1,
+                "save_total_limit": 0}
     for name, low in positive.items():
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
@@ -285,7 +303,16 @@ def redact(text: str) -> str:
 # Tasks
 # ----------------------------------------------------------------------------------------------------------------------
 def read_task_spec(spec: str) -> list[tuple[str, str]]:
-    """`0-3,7,name` or `@file` -> [(entry, where it came from)], so errors can name the line."""
+    """`0-3,7,name` or `@file` -> [(entry, where it came from)], so errors can name the line. Checks all that needs
+    no server; whether each entry names a task is `resolve_tasks`' job."""
+    entries = _read_task_entries(spec)
+    for entry, where in entries:
+        if (m := re.fullmatch(r"(\d+)-(\d+)", entry)) and int(m[1]) > int(m[2]):
+            raise UsageError(f"{where}: range {entry!r} is backwards; write {m[2]}-{m[1]}")
+    return entries
+
+
+def _read_task_entries(spec: str) -> list[tuple[str, str]]:
     if spec.startswith("@"):
         path = Path(spec[1:])
         try:
@@ -318,10 +345,7 @@ def resolve_tasks(entries: list[tuple[str, str]], catalogue: list[dict[str, Any]
         if re.fullmatch(r"\d+", entry):
             indices = [int(entry)]
         elif m := re.fullmatch(r"(\d+)-(\d+)", entry):
-            lo, hi = int(m[1]), int(m[2])
-            if lo > hi:
-                raise UsageError(f"{where}: range {entry!r} is backwards; write {hi}-{lo}")
-            indices = list(range(lo, hi + 1))
+            indices = list(range(int(m[1]), int(m[2]) + 1))
         elif entry in by_name:
             chosen.append(by_name[entry])
             continue
@@ -744,9 +768,10 @@ def _die_with_parent() -> None:
 class EmbeddedHarborServer:
     """`openenv harbor serve` as a child of this process, so one command runs everything after `vllm serve`.
 
-    Bound to 127.0.0.1, with `--expose direct` unless --harbor-expose says otherwise: OpenEnv's default (gradio)
-    opens a public tunnel nobody asked for. Its session slots are sized from --max-inflight, its per-turn cap is
-    --max-completion-length, its log goes to the output dir, and it is stopped on every way out of `main`.
+    Bound to 127.0.0.1, with the --expose that --harbor-expose picks (the preflight resolves auto): OpenEnv's
+    default (gradio) opens a public tunnel whatever the sandbox. Its session slots are sized from --max-inflight, its
+    per-turn cap is --max-completion-length, its log goes to the output dir, and it is stopped on every way out of
+    `main`.
     """
 
     def __init__(self, args: argparse.Namespace):
@@ -817,6 +842,8 @@ PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 OFF_HOST_SANDBOXES = {"e2b", "modal", "daytona", "runloop", "langsmith", "ec2", "gke", "ack", "openshift", "novita",
                       "islo", "tensorlake", "cwsandbox", "use-computer", "cua-cloud", "blaxel", "beam", "skypilot",
                       "hf-sandbox", "hyperbrowser", "vercel", "prime", "mosaic", "sail", "kernel"}
+# Harbor backends on this host whose sandboxes still get their own network namespace: their 127.0.0.1 is not ours.
+OWN_NETWORK_SANDBOXES = {"docker", "podman", "apple-container", "kata"}
 # What each cloud backend reads from the environment of the process that starts it (the Harbor server).
 SANDBOX_CREDENTIALS = {"e2b": "E2B_API_KEY", "daytona": "DAYTONA_API_KEY", "runloop": "RUNLOOP_API_KEY"}
 
@@ -830,6 +857,11 @@ class Preflight:
     def add(self, check: str, status: str, detail: str, fix: str = "") -> bool:
         self.rows.append((check, status, redact(detail), fix))
         return status != FAIL
+
+    def confirm(self, check: str, how: str) -> None:
+        """A WARN that a later check proved harmless turns PASS, saying how."""
+        self.rows = [(c, PASS, f"{d}; {how}", "") if c == check and s == WARN else (c, s, d, f)
+                     for c, s, d, f in self.rows]
 
     @property
     def failures(self) -> list[tuple[str, str, str, str]]:
@@ -917,22 +949,16 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
         pf.add("served model", FAIL, f"vLLM serves {served.get('root') or served['id']} but --model is {args.model}: "
                "the trainer would push its weights into another model", "serve --model with vLLM, or fix --model")
 
+    # vLLM's resolved config, behind VLLM_SERVER_DEV_MODE like the weight-sync routes: where it answers, it says what
+    # a probe can only infer (TRL reads the served dtype from it too).
+    try:
+        config = http_json(f"{args.vllm_url}/server_info?config_format=json")["vllm_config"]
+        model_config = config["model_config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        config, model_config = None, {}
+
     report = validate_llm(args.vllm_url, served["id"], timeout=60.0)
-    flags = {"text": "--return-tokens-as-token-ids --logprobs-mode processed_logprobs",
-             "logprobs": "--return-tokens-as-token-ids"}
-    if report.logprobs_mode == "raw":
-        pf.add("capture tier", FAIL, "the engine returns raw (pre-temperature) logprobs: every importance ratio would "
-               "be wrong, so the proxy grades its rollouts eval tier", "restart vLLM with --logprobs-mode "
-               "processed_logprobs")
-    elif report.capture_level != "tokens":
-        pf.add("capture tier", FAIL, f"the engine's rollouts would be eval tier ({report.capture_level or 'nothing'} "
-               "captured, no token ids): nothing to train on",
-               f"restart vLLM with {flags.get(report.capture_level, flags['text'])}")
-    elif report.logprobs_mode != "processed":
-        pf.add("capture tier", WARN, "train: token ids + logprobs, but whether they are processed (temperature-"
-               "scaled) could not be measured", "make sure vLLM runs with --logprobs-mode processed_logprobs")
-    else:
-        pf.add("capture tier", PASS, "train: token ids + processed logprobs")
+    check_capture_tier(pf, report, model_config.get("logprobs_mode"))
     tools = {"ok": (PASS, "a tool call round-trips"),
              "rejected": (FAIL, "vLLM refuses tool calls, which every agent harness makes"),
              "no-tool-call": (WARN, "the model answered a tool request in prose"),
@@ -942,22 +968,20 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
            "serve with --enable-auto-tool-choice --tool-call-parser <the parser of your model family, hermes for "
            "Qwen3>")
 
-    try:
-        config = http_json(f"{args.vllm_url}/server_info?config_format=json")["vllm_config"]
-    except (OSError, ValueError, KeyError):
+    if config is None:
         pf.add("weight transfer", FAIL, "vLLM's dev endpoints are off: the trainer cannot push weights after a step",
                "restart vLLM with VLLM_SERVER_DEV_MODE=1 in its environment")
-        config = None
-    if config is not None:
+        pf.add("dtype", SKIP, "vLLM's dev endpoints are off, so its dtype cannot be read")
+    else:
         transfer = config.get("weight_transfer_config")
         if transfer:
             pf.add("weight transfer", PASS, f"enabled ({transfer.get('backend', '?')})")
         else:
             pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push weights",
                    "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}'")
-        check_dtype(args, pf, str((config.get("model_config") or {}).get("dtype", "")).removeprefix("torch."))
+        check_dtype(args, pf, str(model_config.get("dtype") or "").removeprefix("torch."))
 
-    max_len = served.get("max_model_len") or (config or {}).get("model_config", {}).get("max_model_len")
+    max_len = served.get("max_model_len") or model_config.get("max_model_len")
     worst = args.agent_step_limit * args.max_completion_length
     if not max_len:
         pf.add("context", WARN, "vLLM did not report its max_model_len")
@@ -972,41 +996,290 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
     return served
 
 
-def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str) -> None:
-    import torch
+def check_capture_tier(pf: Preflight, report: Any, logprobs_mode: str | None) -> None:
+    """Token ids from OpenEnv's probe; processed logprobs from vLLM's own config where it answers, else measured.
 
-    # TRL keeps float32 master weights (its default dtype) and, on GPUs, scores under bfloat16 autocast.
-    trains_at = "bfloat16" if torch.cuda.is_available() else "float32"
+    The probe measures logprobs at two temperatures and cannot tell on a near-uniform model (a random or tiny one);
+    vLLM's `--logprobs-mode` in /server_info decides it whatever the model.
+    """
+    fix = "restart vLLM with --logprobs-mode processed_logprobs"
+    if logprobs_mode and logprobs_mode != "processed_logprobs":
+        what = ("pre-temperature logprobs (vLLM's default)" if logprobs_mode == "raw_logprobs"
+                else "logits, not logprobs")
+        pf.add("capture tier", FAIL, f"vLLM's /server_info: logprobs_mode {logprobs_mode}, i.e. {what}: every "
+               "importance ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
+    elif report.logprobs_mode == "raw":  # OpenEnv's probe then grades the engine eval tier whatever vLLM says
+        pf.add("capture tier", FAIL, "the engine returns raw (pre-temperature) logprobs, measured: every importance "
+               "ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
+    elif report.capture_level != "tokens":
+        flags = {"logprobs": "--return-tokens-as-token-ids"}.get(
+            report.capture_level, "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
+        pf.add("capture tier", FAIL, f"the engine's rollouts would be eval tier ({report.capture_level or 'nothing'} "
+               "captured, no token ids): nothing to train on", f"restart vLLM with {flags}")
+    elif logprobs_mode:
+        pf.add("capture tier", PASS, "train: token ids + processed logprobs (vLLM's /server_info: logprobs_mode "
+               "processed_logprobs)")
+    elif report.logprobs_mode == "processed":
+        pf.add("capture tier", PASS, "train: token ids + processed logprobs (measured at two temperatures)")
+    else:
+        pf.add("capture tier", WARN, "train: token ids + logprobs, but whether they are processed (temperature-"
+               "scaled) could not be measured, and vLLM's /server_info (dev mode) did not say",
+               "make sure vLLM runs with --logprobs-mode processed_logprobs")
+
+
+def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str) -> None:
+    """What TRL compares at start (`WeightTransferClient.init_weight_transfer`): the trainer's weight dtype (its
+    `dtype`, pushed as is) against the dtype vLLM serves."""
+    trains = trainer_dtype(args)
     if not served_dtype:
         pf.add("dtype", WARN, "vLLM did not report its dtype")
-    elif served_dtype == trains_at:
-        pf.add("dtype", PASS, f"vLLM serves {served_dtype}, the trainer scores at {trains_at}")
+    elif trains is None:
+        pf.add("dtype", WARN, f"vLLM serves {served_dtype}; --dtype auto could not be resolved "
+               f"({model_shape_error(args)})")
+    elif served_dtype == trains:
+        pf.add("dtype", PASS, f"vLLM serves {served_dtype}, the trainer's weights are {trains} (--dtype {args.dtype})")
     else:
-        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, the trainer scores at {trains_at} (TRL warns about this "
-               "too): the precision gap shows up as importance-ratio noise, clipped, not as a bias",
-               f"for the closest match serve with --dtype {trains_at}")
+        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, the trainer's weights are {trains} (--dtype {args.dtype}); "
+               "TRL warns about this at start too. Each push rounds them to the served dtype, and the precision gap "
+               "between trainer and server shows up in the importance ratio",
+               f"serve with vLLM's --dtype {trains} to match (float32: twice vLLM's weight memory), or train in "
+               f"{served_dtype} after reading --dtype's help (its risk at small learning rates)")
+
+
+@functools.cache
+def model_shape(model: str) -> tuple[int, str]:
+    """(parameters, checkpoint dtype) of --model, from its config alone: no weights are read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    return params, str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+
+
+def model_shape_error(args: argparse.Namespace) -> str | None:
+    try:
+        model_shape(args.model)
+    except Exception as exc:  # noqa: BLE001 - any reason the config cannot be read means the same here
+        return f"cannot read --model's config: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return None
+
+
+def trainer_dtype(args: argparse.Namespace) -> str | None:
+    """The dtype the trainer's weights load in (TRL passes --dtype to from_pretrained; auto: the checkpoint's)."""
+    if args.dtype != "auto":
+        return args.dtype
+    return None if model_shape_error(args) else model_shape(args.model)[1]
+
+
+def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> dict[str, Any]:
+    """What only the trainer's own machine can tell, before any weights load: whether its updates land at this
+    precision, whether its checkpoints fit the disk, whether its GPUs are free and can run TRL's attention kernel."""
+    import math
+
+    import torch
+
+    facts: dict[str, Any] = {}
+    dtype = trainer_dtype(args)
+    if dtype in ("bfloat16", "float16", "float32"):
+        # An AdamW step moves a weight by about the learning rate. Below half the dtype's spacing at a typical
+        # weight (0.02, Qwen3's initializer range) the sum rounds back to the old weight: no update at all.
+        typical = 0.02
+        half_step = 2.0 ** math.floor(math.log2(typical)) * torch.finfo(getattr(torch, dtype)).eps / 2
+        if args.learning_rate < half_step:
+            pf.add("precision", WARN, f"{dtype} weights: an AdamW step moves a weight by ~--learning-rate "
+                   f"{args.learning_rate:g}, below half the {dtype} spacing at |w| = {typical} ({half_step:.1e}): "
+                   "most updates round to no change and the run silently stops learning",
+                   f"--dtype float32 (see README, Capacity), or a learning rate well above {half_step:.0e}")
+        else:
+            pf.add("precision", PASS, f"{dtype} weights: AdamW steps of ~{args.learning_rate:g} exceed half the "
+                   f"{dtype} spacing at |w| = {typical} ({half_step:.1e})")
+    if (problem := model_shape_error(args)) is not None:
+        pf.add("checkpoints", SKIP, f"size unknown: {problem}")
+    elif writable and dtype is not None:
+        params = model_shape(args.model)[0]
+        width = torch.finfo(getattr(torch, dtype)).bits // 8
+        # transformers saves the weights and torch's AdamW state (two moments) in the weights' dtype.
+        facts["checkpoint_bytes"] = size = params * width * 3
+        kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
+        peak = (kept + 1) * size  # the oldest goes only once the newest is complete
+        free = shutil.disk_usage(args.output_dir).free
+        count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
+        detail = (f"~{human_bytes(size)} each ({count} params x {3 * width} B: {dtype} weights + 2 AdamW "
+                  f"moments); {kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written = "
+                  f"{human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
+        pf.add("checkpoints", WARN if free < peak else PASS, detail,
+               "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
+    check_trainer_gpus(pf)
+    return facts
+
+
+def human_bytes(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
+    """GPU uuid -> [(pid, command line, GiB)] of the compute processes nvidia-smi lists; None when it cannot."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory,process_name",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    apps: dict[str, list[tuple[int, str, float]]] = {}
+    for line in out.splitlines():
+        uuid, pid, mib, name = ([*(x.strip() for x in line.split(",", 3))] + ["", "", "", ""])[:4]
+        if not pid.isdigit():
+            continue
+        try:  # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_*; nvidia-smi may show only `python`
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") or name
+        except OSError:
+            pass
+        apps.setdefault(uuid.lower().removeprefix("gpu-"), []).append(
+            (int(pid), name, float(mib) / 1024 if mib.replace(".", "").isdigit() else 0.0))
+    return apps
+
+
+def check_trainer_gpus(pf: Preflight) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
+        pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
+               "(kernels-community/flash-attn3), which has no CPU build")
+        return
+    fix = ("give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, CUDA_VISIBLE_DEVICES=1 "
+           "for this script (NCCL refuses two ranks on one device)")
+    apps = gpu_processes()
+    local = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+    held, shared, free = [], [], []
+    for index in range(local):  # the trainer's ranks on this node take the first visible GPUs, one each
+        props = torch.cuda.get_device_properties(index)
+        label = f"cuda:{index} ({props.name})"
+        if apps is None:
+            continue
+        others = [a for a in apps.get(str(getattr(props, "uuid", "")).lower().removeprefix("gpu-"), [])
+                  if a[0] != os.getpid()]
+        vllm = [a for a in others if "vllm" in a[1].lower()]
+        if vllm:
+            held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
+        elif others:
+            shared.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
+        else:
+            free.append(label)
+    if held:
+        pf.add("trainer GPU", FAIL, "; ".join(held), fix)
+    elif apps is None:
+        # No nvidia-smi (or none that answers): memory is all that can be seen, and only for rank 0's own GPU.
+        free_b, total_b = torch.cuda.mem_get_info(0)
+        in_use = (total_b - free_b) / total_b
+        pf.add("trainer GPU", WARN if in_use > 0.25 else PASS,
+               f"cuda:0: {(total_b - free_b) / 2**30:.1f} of {total_b / 2**30:.0f} GiB already in use (nvidia-smi "
+               "unavailable, so who holds it is unknown)", fix)
+    elif shared:
+        pf.add("trainer GPU", WARN, "; ".join(shared) + "; the trainer needs the whole card", fix)
+    else:
+        pf.add("trainer GPU", PASS, f"{', '.join(free)}: no other process on it")
+    check_attention_kernel(pf)
+
+
+def check_attention_kernel(pf: Preflight) -> None:
+    """TRL's own kernel loader, now: the hub download and the GPU check take seconds here, not a failed first step
+    after weights, the first weight push and the first paid sandbox group. TRL caches the module it returns."""
+    import torch
+
+    repo = "kernels-community/aiter-flash-attn (version 2)" if torch.version.hip else \
+        "kernels-community/flash-attn3 (version 1)"
+    props = torch.cuda.get_device_properties(0)
+    gpu = f"{props.name} (compute capability {props.major}.{props.minor}), torch {torch.__version__}"
+    try:
+        from trl.experimental.async_grpo import packing
+
+        kernel = packing._flash_attn()
+    except ImportError as exc:
+        pf.add("attention kernel", FAIL, f"TRL's tree attention imports `kernels`: {exc}",
+               "install it: pip install 'kernels>=0.17.2,<0.19' (`uv run` installs it from this script's header)")
+        return
+    except Exception as exc:  # noqa: BLE001 - classified below; the message is the library's
+        message = redact(f"{type(exc).__name__}: {exc}")[:600]
+        offline = (os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
+                   or re.search(r"offline|connect|resolve|timed? ?out|local snapshot|cached", message, re.I))
+        if offline:
+            pf.add("attention kernel", FAIL, f"{repo} could not be fetched from the hub: {message}",
+                   "pre-fetch it into a hub cache on a machine with internet and the same torch and CUDA: "
+                   "HF_HOME=/shared/hf python -c \"from kernels import get_kernel; "
+                   "get_kernel('kernels-community/flash-attn3', version=1)\"; then train with HF_HOME=/shared/hf "
+                   "HF_HUB_OFFLINE=1")
+        else:
+            pf.add("attention kernel", FAIL, f"{repo} has no build for this GPU and torch: {gpu}: {message}",
+                   "TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
+                   "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
+        return
+    try:  # one tiny causal call: a build that loads can still refuse this GPU when it runs
+        q = torch.randn(8, 2, 64, device="cuda:0", dtype=torch.bfloat16)
+        cu = torch.tensor([0, 8], device="cuda:0", dtype=torch.int32)
+        kernel.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, causal=True)
+        torch.cuda.synchronize(0)
+    except Exception as exc:  # noqa: BLE001
+        pf.add("attention kernel", FAIL, f"{repo} loaded but cannot run on {gpu}: {type(exc).__name__}: {exc}"[:700],
+               "TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
+               "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
+        return
+    pf.add("attention kernel", PASS, f"{repo} loaded and ran on {gpu}")
+
+
+def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
+    """--harbor-expose auto: (the server's --expose, why, whether the rule knows). The harness, not the trainer,
+    calls the capture proxy, from wherever it runs."""
+    from openenv.harbor.capabilities import HOST_SIDE_AGENTS
+
+    in_sandbox = [h for h in harness_names(args.harness) if h not in HOST_SIDE_AGENTS]
+    if not in_sandbox:
+        return "direct", (f"{args.harness} runs host-side, in the Harbor server's process (openenv's "
+                          "HOST_SIDE_AGENTS), so its model calls reach 127.0.0.1 whatever the sandbox"), True
+    where = ("runs off this host" if args.sandbox in OFF_HOST_SANDBOXES
+             else "has its own network namespace (docker's bridge network), where 127.0.0.1 is the sandbox itself"
+             if args.sandbox in OWN_NETWORK_SANDBOXES else "")
+    if where:
+        tunnel = "cloudflare" if shutil.which("cloudflared") else "gradio"
+        how = ("cloudflared is on PATH" if tunnel == "cloudflare"
+               else "no cloudflared on PATH; gradio's tunnel ships with openenv")
+        return tunnel, f"{', '.join(in_sandbox)} runs inside the {args.sandbox} sandbox, which {where}: {how}", True
+    return "direct", (f"{', '.join(in_sandbox)} runs inside the {args.sandbox} sandbox; whether that reaches this "
+                      "host's 127.0.0.1 is not known here"), False
 
 
 def check_sandbox_reach(args: argparse.Namespace, pf: Preflight) -> bool:
     """Before starting our own server: what only this process can see (its environment, its PATH)."""
     var = SANDBOX_CREDENTIALS.get(args.sandbox)
     if var and not os.environ.get(var):
-        return pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would fail to start",
-                      f"export {var} before launching (the Harbor server this script starts inherits it)")
-    if args.dataset == DEFAULT_DATASET and not os.environ.get("HF_TOKEN"):
+        pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would fail to start",
+               f"export {var} before launching (the Harbor server this script starts inherits it)")
+        credentials = False
+    elif args.dataset == DEFAULT_DATASET and not os.environ.get("HF_TOKEN"):
         pf.add("credentials", WARN, "HF_TOKEN is not set: the default suite's tasks fetch their data with it",
                "export HF_TOKEN")
+        credentials = True
     else:
         pf.add("credentials", PASS, f"{var} set" if var else f"{args.sandbox} needs none that this script knows of")
-    if args.harbor_expose == "direct" and args.sandbox in OFF_HOST_SANDBOXES:
-        return pf.add("capture URL", FAIL, f"{args.sandbox} sandboxes run off this host and cannot reach the capture "
-                      "proxy at 127.0.0.1 (--harbor-expose direct)",
-                      "--harbor-expose cloudflare (a tunnel that admits only per-rollout session keys)")
-    if args.harbor_expose == "cloudflare" and not shutil.which("cloudflared"):
+        credentials = True
+    picked, why, known = pick_expose(args)
+    probe = "confirm with --check --probe-rollout (one real rollout), or set --harbor-expose"
+    if args.harbor_expose == "auto":
+        args.harbor_expose = picked
+        pf.add("capture URL", PASS if known else WARN, f"--harbor-expose auto: {picked}. {why}", probe)
+    elif args.harbor_expose == "direct" and picked != "direct":
+        return pf.add("capture URL", FAIL, f"--harbor-expose direct advertises 127.0.0.1, which the harness cannot "
+                      f"reach: {why}", f"--harbor-expose {picked} (or auto)")
+    elif args.harbor_expose == "cloudflare" and not shutil.which("cloudflared"):
         return pf.add("capture URL", FAIL, "--harbor-expose cloudflare needs `cloudflared` on PATH",
                       "install cloudflared, or use --harbor-expose gradio")
-    pf.add("capture URL", PASS, f"--expose {args.harbor_expose}")
-    return True
+    elif args.harbor_expose == "direct" and not known:
+        pf.add("capture URL", WARN, f"--harbor-expose direct: {why}", probe)
+    else:
+        pf.add("capture URL", PASS, f"--harbor-expose {args.harbor_expose}")
+    return credentials
 
 
 def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any],
@@ -1147,14 +1420,21 @@ def check_reward(args: argparse.Namespace, pf: Preflight, split: str, task: dict
         pf.add("reward key", PASS, f"{key!r} = {r.reward:g} ({emitted} emitted)")
         pf.add("probe rollout", PASS if r.rollout_type == "train" else FAIL,
                f"{where}, {r.rollout_type} tier, {r.n_trainable_tokens} trainable tokens")
+        if r.n_turns:
+            pf.confirm("capture URL", f"the probe rollout's harness reached it ({r.n_turns} model calls)")
 
 
 def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborServer | None) -> dict[str, Any]:
-    """Every check, cheapest first: the local ones, vLLM, the Harbor server, the tasks, a rollout. A failure that
-    makes the later checks meaningless ends the table there; otherwise every row is filled, so one run shows all
-    that is wrong."""
+    """Every check, cheapest first. The checks that need no server run whatever a server says, so one table shows
+    every local problem even while vLLM is down; a failure that makes a later server check meaningless ends the
+    table there."""
     plan: dict[str, Any] = {}
     writable, plan["resume"] = check_run_dir(args, pf)
+    try:
+        read_task_spec(args.tasks)
+        task_spec_ok = True
+    except UsageError as exc:
+        task_spec_ok = pf.add("tasks", FAIL, str(exc))
     if args.measure:
         # Measuring samples through the Harbor server's own engine and loads no weights: the trainer's vLLM, its
         # weight sync and its capture tier do not matter.
@@ -1163,10 +1443,14 @@ def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborSer
     else:
         pf.add("GRPO", PASS, f"{args.num_generations} generations per group, {args.max_inflight} rollouts in flight")
         served = check_engine(args, pf)
+        plan |= check_trainer(args, pf, writable)
+    reachable = check_sandbox_reach(args, pf) if server is not None else True
     if served is None:
+        pf.add("Harbor server", SKIP, "not checked: vLLM must answer first (the server samples from it); harness, "
+               "sandbox, dataset and task names are checked once it does")
         return plan
     plan["max_model_len"] = served["max_model_len"]
-    if server is not None and not (writable and check_sandbox_reach(args, pf)):
+    if not (writable and reachable and task_spec_ok):
         return plan
     found = check_harbor(args, pf, served, server)
     if found is None:
@@ -1710,14 +1994,22 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(partial, path)
 
 
-def publish_checkpoint(staged: Path, final: Path) -> None:
-    """Put a completely written checkpoint in place with one rename, so checkpoint-N is never half-written."""
+def publish_checkpoint(staged: Path, final: Path, keep: int | None = None) -> None:
+    """Put a completely written checkpoint in place with one rename, so checkpoint-N is never half-written; then keep
+    the newest `keep` checkpoints.
+
+    transformers rotates checkpoints inside the dir it saved into, the staging dir, which holds only this one: so it
+    never deletes anything there, and the rotation runs here, after the rename, over the run dir.
+    """
+    from transformers.trainer_utils import rotate_checkpoints
+
     replaced = final.with_name(f".replaced-{final.name}")
     if final.exists():  # an unusable checkpoint of this step, from before a fallback to an older one
         shutil.rmtree(replaced, ignore_errors=True)
         final.rename(replaced)
     staged.rename(final)
     shutil.rmtree(replaced, ignore_errors=True)
+    rotate_checkpoints(str(final.parent), save_total_limit=keep, use_mtime=True)
 
 
 def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
@@ -1787,7 +2079,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 start = self.rollout_worker._loop_kwargs["dataset_start_index"]
                 state["prompt_index"] = start + max(self._trained_groups) + 1
                 write_json_atomic(state_file, state)
-            publish_checkpoint(staging / name, run_dir / name)
+            publish_checkpoint(staging / name, run_dir / name, keep=self.args.save_total_limit)
             staging.rmdir()
 
         def log(self, logs, start_time=None):
@@ -1800,7 +2092,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         learning_rate=args.learning_rate, max_steps=args.max_steps, save_steps=args.save_steps,
         save_strategy="steps", logging_steps=1, gradient_accumulation_steps=args.micro_batches_per_step,
         # bf16 autocast exists only on GPUs; elsewhere it would score at another precision than the engine.
-        bf16=torch.cuda.is_available(),
+        bf16=torch.cuda.is_available(), dtype=args.dtype, save_total_limit=args.save_total_limit or None,
         num_generations=args.num_generations, max_inflight_tasks=args.max_inflight,
         max_staleness=args.max_staleness, temperature=args.temperature,
         max_completion_length=args.max_completion_length, vllm_server_base_url=args.vllm_url,
@@ -1926,6 +2218,9 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
         "agent step limit / timeout": f"{args.agent_step_limit} calls / {args.agent_timeout:g} s",
         "max completion length": args.max_completion_length, "learning rate": args.learning_rate,
         "max steps / save steps": f"{args.max_steps} / {args.save_steps}",
+        "dtype (trainer weights)": args.dtype,
+        "checkpoints": (f"~{human_bytes(plan['checkpoint_bytes'])} each" if plan.get("checkpoint_bytes")
+                        else "size unknown") + f", the newest {args.save_total_limit or 'all'} kept",
         "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
         "report to": f"{args.report_to} (project {args.project})",
     })

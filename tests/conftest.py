@@ -97,10 +97,12 @@ class Rig:
         engine_port, harbor_port = free_port(), free_port()
         self.engine_url = f"http://127.0.0.1:{engine_port}"
         self.harbor_url = f"http://127.0.0.1:{harbor_port}"
+        # Served in float32 (`vllm serve --dtype float32`, the trainer's default precision), so a first step's
+        # importance ratio is exactly 1; the engine's own default, bfloat16 like vLLM's, is for the dtype checks.
         self.engine = Service(
             "engine", [sys.executable, str(RIG / "engine.py"), "--model-dir", str(model_dir), "--port",
                        str(engine_port), "--served-name", SERVED_NAME, "--policy", str(policy),
-                       "--max-model-len", str(MAX_MODEL_LEN), *engine_flags],
+                       "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", *engine_flags],
             workdir / "engine.log", f"{self.engine_url}/health")
         self.engine.wait_ready()
         self.harbor = None

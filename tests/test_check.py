@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,9 +39,18 @@ def test_a_healthy_setup_passes_and_an_external_server_is_used_as_is(rig, tmp_pa
     rows = table(proc.stdout)
     assert {status for status, _ in rows.values()} <= {"PASS", "WARN", "SKIP"}, rows
     for check in ("vLLM reachable", "served model", "capture tier", "tool calls", "weight transfer", "dtype",
-                  "Harbor server", "harness", "sandbox", "server's engine", "session slots", "dataset", "tasks"):
+                  "precision", "checkpoints", "Harbor server", "harness", "sandbox", "server's engine",
+                  "session slots", "dataset", "tasks"):
         assert rows[check][0] == "PASS", (check, rows[check])
     assert rows["Harbor server"][1].endswith("(yours)")
+    # Decided by vLLM's own config, not by a probe that a near-uniform model leaves undecided.
+    assert "/server_info: logprobs_mode processed_logprobs" in rows["capture tier"][1]
+    assert rows["dtype"][1] == "vLLM serves float32, the trainer's weights are float32 (--dtype float32)"
+    assert re.match(r"~\d+\.\d MB each \(0\.21 M params x 12 B: float32 weights \+ 2 AdamW moments\); 2 kept",
+                    rows["checkpoints"][1]), rows["checkpoints"]
+    # The CPU rig has no GPU: the GPU-only rows say so instead of passing.
+    assert rows["trainer GPU"] == ("SKIP", "no CUDA device visible: the trainer runs on CPU")
+    assert rows["attention kernel"][0] == "SKIP" and "kernels-community/flash-attn3" in rows["attention kernel"][1]
     assert rows["reward key"][0] == "SKIP" and "--probe-rollout" in rows["reward key"][1]
     assert not (tmp_path / "out" / "harbor_server.log").exists()
     assert "async_grpo_harbor\n" not in proc.stdout, "training set-up started"
@@ -57,6 +67,10 @@ def test_probe_rollout_on_its_own_server_confirms_the_reward_key_then_stops_the_
     assert started, rows["Harbor server"]
     assert rows["probe rollout"][0] == "PASS" and "train tier" in rows["probe rollout"][1]
     assert rows["reward key"][0] == "PASS" and "correct, format emitted" in rows["reward key"][1]
+    # The rule cannot know whether the rig's `local` sandbox reaches this host's loopback; the probe rollout did.
+    assert rows["capture URL"][0] == "PASS", rows["capture URL"]
+    assert re.match(r"--harbor-expose auto: direct\. .*not known here; the probe rollout's harness reached it "
+                    r"\(\d+ model calls\)$", rows["capture URL"][1]), rows["capture URL"]
     assert "openenv" in (tmp_path / "out" / "harbor_server.log").read_text().lower()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{started[1]}/harbor_env/splits", timeout=5)
@@ -69,10 +83,12 @@ def test_a_reward_key_the_tasks_do_not_emit_names_the_ones_they_do(rig, tmp_path
 
 
 @pytest.mark.parametrize("engine_flags, failing", [
-    (["--raw-logprobs", "--no-tool-parser", "--no-dev-mode"],
+    # Without dev mode the capture tier is measured (two temperatures); with it, vLLM's config says so.
+    (["--logprobs-mode", "raw_logprobs", "--no-tool-parser", "--no-dev-mode"],
      {"capture tier": "--logprobs-mode processed_logprobs", "tool calls": "--enable-auto-tool-choice --tool-call-parser",
       "weight transfer": "VLLM_SERVER_DEV_MODE=1"}),
-    (["--no-weight-transfer"], {"weight transfer": "--weight-transfer-config"}),
+    (["--logprobs-mode", "raw_logprobs", "--no-weight-transfer"],
+     {"capture tier": "/server_info: logprobs_mode raw_logprobs", "weight transfer": "--weight-transfer-config"}),
 ])
 def test_a_vllm_launched_without_a_flag_the_trainer_needs_is_refused_naming_it(make_rig, tmp_path, engine_flags,
                                                                                  failing):
@@ -93,12 +109,87 @@ def test_missing_sandbox_credentials_name_the_variable(rig, tmp_path):
     assert not (tmp_path / "out" / "harbor_server.log").exists(), "the server was started anyway"
 
 
-def test_a_cloud_sandbox_cannot_reach_a_loopback_capture_proxy(rig, tmp_path):
-    args, env = embedded([*rig.base_args(), "--sandbox", "e2b", "--tasks", "coin"], tmp_path)
-    proc = run_script(args, cwd=tmp_path, **env, **SECRETS)
-    refused_with(proc, "capture URL", "cannot reach the capture proxy at 127.0.0.1", "--harbor-expose cloudflare")
-    assert table(proc.stdout)["credentials"][0] == "PASS"
+def test_a_served_bfloat16_is_compared_with_the_trainers_weights_as_trl_compares_them(make_rig, tmp_path):
+    # vLLM serves this float32 checkpoint in bfloat16 (its --dtype auto), as the stand-in does by default.
+    engine = make_rig("--dtype", "auto", harbor=False)
+    dead = ["--harbor-url", f"http://127.0.0.1:{free_port()}", "--tasks", "coin", "--check"]
+    fp32 = table(run_script([*engine.base_args(), *dead], cwd=tmp_path).stdout)
+    assert fp32["dtype"][0] == "WARN" and fp32["dtype"][1].startswith(
+        "vLLM serves bfloat16, the trainer's weights are float32 (--dtype float32); TRL warns about this"), fp32
+    assert fp32["precision"][0] == "PASS"
+    bf16 = table(run_script([*engine.base_args(), *dead, "--dtype", "bfloat16"], cwd=tmp_path).stdout)
+    assert bf16["dtype"] == ("PASS", "vLLM serves bfloat16, the trainer's weights are bfloat16 (--dtype bfloat16)")
+    # ... and at the default learning rate (1e-6) its updates would not land.
+    assert bf16["precision"][0] == "WARN" and "below half the bfloat16 spacing at |w| = 0.02 (6.1e-05)" in \
+        bf16["precision"][1], bf16["precision"]
+    assert "~1.2 MB each (0.21 M params x 6 B: bfloat16" in bf16["checkpoints"][1], bf16["checkpoints"]
+
+
+def test_the_precision_row_is_what_adamw_does():
+    # What the row (and --dtype's help) says, measured with torch's own AdamW on CPU: at the default learning rate a
+    # bfloat16 weight of Qwen3's initializer scale does not move; a float32 one does.
+    import torch
+
+    weights = torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 0.02
+    moved = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.nn.Parameter(weights.to(dtype))
+        before = w.detach().clone()
+        w.grad = torch.randn(w.shape).to(dtype)
+        torch.optim.AdamW([w], lr=1e-6, weight_decay=0.0).step()
+        moved[dtype] = (w.detach() != before).float().mean().item()
+    assert moved[torch.float32] > 0.999
+    assert moved[torch.bfloat16] < 0.05, moved  # only weights far smaller than 0.02 (measured: 2 %)
+
+
+# What auto picks when a tunnel is needed: cloudflared where it is installed, else gradio's (it ships with openenv).
+TUNNEL = "cloudflare" if shutil.which("cloudflared") else "gradio"
+
+
+@pytest.mark.parametrize("flags, status, needles", [
+    # cloud sandbox, harness inside it: a tunnel, named with the reason
+    (["--sandbox", "e2b"], "PASS",
+     [f"--harbor-expose auto: {TUNNEL}. mini-swe-agent runs inside the e2b sandbox, which runs off this host"]),
+    # a host-side harness reaches loopback even with a cloud sandbox
+    (["--sandbox", "e2b", "--harness", "terminus-2"], "PASS",
+     ["--harbor-expose auto: direct. terminus-2 runs host-side", "HOST_SIDE_AGENTS"]),
+    # docker's bridge network: the container's 127.0.0.1 is its own
+    (["--sandbox", "docker", "--harbor-expose", "direct"], "FAIL",
+     ["advertises 127.0.0.1, which the harness cannot reach", "docker's bridge network",
+      f"--harbor-expose {TUNNEL}"]),
+    # a sandbox the rule cannot judge: a warning that names the ground truth
+    (["--sandbox", "local"], "WARN",
+     ["--harbor-expose auto: direct. mini-swe-agent runs inside the local sandbox; whether that reaches this host's "
+      "127.0.0.1 is not known here", "fix: confirm with --check --probe-rollout"]),
+])
+def test_the_capture_url_is_picked_for_where_the_harness_runs(tmp_path, flags, status, needles):
+    # vLLM is down, so no Harbor server (nor a tunnel) starts: the row is judged from flags and environment alone.
+    proc = run_script(["--vllm-url", f"http://127.0.0.1:{free_port()}", "--check", *flags], cwd=tmp_path, **SECRETS)
+    rows = table(proc.stdout)
+    assert rows["capture URL"][0] == status, proc.stdout
+    assert rows["credentials"][0] == "PASS" and rows["Harbor server"][0] == "SKIP", proc.stdout
+    for needle in needles:
+        assert needle in proc.stdout, needle
     assert SECRETS["E2B_API_KEY"] not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("tasks, problem", [
+    ("@missing.txt", "--tasks @missing.txt: cannot read missing.txt"),
+    ("0-3,9-4", "--tasks: range '9-4' is backwards; write 4-9"),
+])
+def test_with_vllm_down_every_check_that_needs_no_server_still_reports(tmp_path, tasks, problem):
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = run_script(["--vllm-url", url, "--tasks", tasks, "--sandbox", "e2b", "--output-dir", "/proc/agh-out",
+                       "--check"], cwd=tmp_path, E2B_API_KEY="")
+    rows = table(proc.stdout)
+    assert {check: rows[check][0] for check in ("vLLM reachable", "tasks", "output dir", "credentials",
+                                                "Harbor server")} == \
+        {"vLLM reachable": "FAIL", "tasks": "FAIL", "output dir": "FAIL", "credentials": "FAIL",
+         "Harbor server": "SKIP"}, proc.stdout
+    assert rows["tasks"][1].startswith(problem), rows["tasks"]
+    assert rows["vLLM reachable"][1].startswith(f"vLLM is not reachable at {url}")
+    # One error line: the first failure, and how many more the table holds.
+    refused_with(proc, "output dir", "error: cannot write to /proc/agh-out", "(and 3 more failed checks above)")
 
 
 def test_a_harbor_server_that_dies_at_start_shows_its_log(rig, tmp_path):

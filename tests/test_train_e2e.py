@@ -38,6 +38,16 @@ def test_trains_three_steps_and_saves_the_model(trained):
     assert len(changed) == len(initial), f"unchanged parameters: {set(initial) - set(changed)}"
 
 
+def test_keeps_the_newest_checkpoints_and_printed_their_size(trained):
+    # Three saves (--save-steps 1); --save-total-limit's default keeps the newest two. Saves are staged and renamed
+    # into place, so the rotation runs after that rename (transformers' own runs inside the staging dir).
+    proc, out, _, _ = trained
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2", "checkpoint-3"]
+    estimate = float(re.search(r"checkpoints\s+~([\d.]+) MB each", proc.stdout)[1]) * 1e6
+    saved = sum((out / "checkpoint-3" / name).stat().st_size for name in ("model.safetensors", "optimizer.pt"))
+    assert abs(estimate - saved) < 0.1 * saved, (estimate, saved)
+
+
 def test_first_step_scores_exactly_what_the_engine_sampled(trained):
     # The engine scores with the weights the trainer just pushed, at the temperature the proxy enforced: if tokens,
     # logprobs and temperature line up, the first step's importance ratio is 1 and its KL 0.

@@ -1,7 +1,7 @@
 """Loopback stand-in for `vllm serve` (0.29) on CPU, speaking the wire contract the rig depends on.
 
-    python tests/rig/engine.py --model-dir DIR --port P --served-name NAME [--policy policy.json]
-                               [--score-temperature-offset X] [--no-token-ids]
+    python tests/rig/engine.py --model-dir DIR --port P --served-name NAME [--policy policy.json] [--dtype D]
+                               [--logprobs-mode M] [--score-temperature-offset X] [--no-token-ids]
 
 Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_logprobs
 --return-tokens-as-token-ids --enable-auto-tool-choice --tool-call-parser hermes
@@ -13,13 +13,16 @@ Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_
   log_softmax(logits / T) at the request temperature (processed logprobs; T absent or ~0 scores at 1.0, as vLLM's
   greedy path does). `--score-temperature-offset X` scores at T + X, a deliberately mismatched engine.
   `--no-token-ids` answers like a plain OpenAI server: no ids, no logprobs (OpenEnv grades it `eval`).
-  Each launch flag the trainer needs can be left out, as a user might: `--raw-logprobs` (vLLM's default
-  `--logprobs-mode raw_logprobs`: scored at T=1 whatever the request asks), `--no-tool-parser` (no
+  The model runs in vLLM's `--dtype` (default auto: a float32 checkpoint is served in bfloat16, as vLLM does on a
+  GPU), so logprobs carry the serving precision and pushed weights are rounded to it.
+  Each launch flag the trainer needs can be left out, as a user might: `--logprobs-mode raw_logprobs` (vLLM's
+  default: scored at T=1 whatever the request asks; `*_logits` return unnormalised logits), `--no-tool-parser` (no
   `--enable-auto-tool-choice`: vLLM's 400 for a tool request), `--no-dev-mode` (no VLLM_SERVER_DEV_MODE: the dev
   routes, /server_info and the weight sync ones, are 404), `--no-weight-transfer` (no `--weight-transfer-config`).
 * The TRL control plane (`/health`, `/v1/models`, `/server_info`, `/get_world_size`, `/pause`, `/resume`, the weight
-  update calls) answers as vLLM's does; the NCCL receive is replaced by `POST /stand_in/load_weights`, whose body
-  is `safetensors.torch.save(state_dict)` under HF parameter names.
+  update calls) answers as vLLM's does (`/server_info?config_format=json`: the resolved config's JSON dump, with
+  `model_config.dtype` as `torch.<dtype>` and `model_config.logprobs_mode`); the NCCL receive is replaced by
+  `POST /stand_in/load_weights`, whose body is `safetensors.torch.save(state_dict)` under HF parameter names.
 * `GET /stand_in/stats`: every chat request's sampling params and served token counts, for tests to assert on.
   `POST /stand_in/policy` replaces the policy below without a restart.
 
@@ -57,7 +60,7 @@ from urllib.parse import urlsplit
 
 import torch
 from safetensors.torch import load as load_safetensors
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 TASK_MARKER = re.compile(r"rig-task:\s*([\w.-]+)")
@@ -75,14 +78,15 @@ class HTTPError(Exception):
 
 class Engine:
     def __init__(self, model_dir, served_name, policy, score_offset=0.0, token_ids=True, max_model_len=32768,
-                 raw_logprobs=False, tool_parser=True, weight_transfer=True):
+                 logprobs_mode="processed_logprobs", tool_parser=True, weight_transfer=True, dtype="auto"):
         self.model_dir, self.served_name = str(model_dir), served_name
-        self.raw_logprobs, self.tool_parser, self.weight_transfer = raw_logprobs, tool_parser, weight_transfer
+        self.logprobs_mode, self.tool_parser, self.weight_transfer = logprobs_mode, tool_parser, weight_transfer
         # vLLM's context length: the trainer's default token budget per micro-batch, so it decides samples per step.
         self.max_model_len = max_model_len
         self.policy, self.score_offset, self.token_ids = policy, score_offset, token_ids
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.dtype = resolve_dtype(dtype, AutoConfig.from_pretrained(model_dir).dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).eval()
         self.eos_id = self.tokenizer.eos_token_id
         self.model_lock = threading.Lock()  # forward passes vs weight loads
         self.state_lock = threading.Lock()  # counters and the stats log
@@ -121,7 +125,7 @@ class Engine:
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
 
         temperature = body.get("temperature")
-        score_t = (1.0 if temperature is None or temperature < GREEDY_EPS or self.raw_logprobs
+        score_t = (1.0 if temperature is None or temperature < GREEDY_EPS or self.logprobs_mode.startswith("raw")
                    else float(temperature)) + self.score_offset
         # vLLM fills logprobs.content only when top_logprobs is set (SamplingParams.logprobs = top_logprobs).
         want_logprobs = self.token_ids and body.get("logprobs") and body.get("top_logprobs") is not None
@@ -174,7 +178,10 @@ class Engine:
         ids = torch.tensor([prompt_ids + completion_ids])
         with torch.no_grad():
             logits = self.model(ids).logits[0, len(prompt_ids) - 1: -1]
-        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+        # vLLM's sampler works in float32 on logits the model computed in its serving dtype.
+        logprobs = logits.float() / temperature
+        if self.logprobs_mode.endswith("logprobs"):
+            logprobs = torch.log_softmax(logprobs, dim=-1)
         k = logprobs.shape[-1] if top_k == -1 else min(int(top_k), logprobs.shape[-1])
         top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
         content = []
@@ -229,12 +236,26 @@ class Engine:
             "id": self.served_name, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model_dir,
             "parent": None, "max_model_len": self.max_model_len}]}
 
-    def server_info(self) -> dict:
-        return {"vllm_config": {"model_config": {
-            "model": self.model_dir, "served_model_name": self.served_name, "dtype": "torch.float32",
-            "max_model_len": self.max_model_len,
-            "logprobs_mode": "raw_logprobs" if self.raw_logprobs else "processed_logprobs"},
-            "weight_transfer_config": {"backend": "nccl"} if self.weight_transfer else None}}
+    def server_info(self, query: str = "") -> dict:
+        # vLLM 0.29's /server_info: `PydanticVllmConfig.dump_python(vllm_config, mode="json", fallback=str)` for
+        # config_format=json (a torch.dtype becomes "torch.bfloat16"), else `str(vllm_config)`; plus its VLLM_*
+        # settings and the collected system info.
+        config = {"model_config": {
+            "model": self.model_dir, "served_model_name": self.served_name, "dtype": str(self.dtype),
+            "max_model_len": self.max_model_len, "logprobs_mode": self.logprobs_mode},
+            "weight_transfer_config": {"backend": "nccl"} if self.weight_transfer else None}
+        json_format = "config_format=json" in query
+        return {"vllm_config": config if json_format else repr(config),
+                "vllm_env": {"VLLM_SERVER_DEV_MODE": True}, "system_env": {"torch_version": torch.__version__}}
+
+
+def resolve_dtype(flag: str, config_dtype) -> torch.dtype:
+    """vLLM's `--dtype` (`_resolve_auto_dtype` on a bfloat16-capable GPU): auto keeps a half-precision checkpoint's
+    dtype and serves a float32 one in bfloat16."""
+    if flag != "auto":
+        return getattr(torch, flag)
+    config_dtype = getattr(torch, str(config_dtype).removeprefix("torch."), None) or torch.float32
+    return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
 
 
 def _vllm_messages(messages: list) -> list:
@@ -301,7 +322,9 @@ def _handler(engine: Engine, dev_mode: bool):
             path = urlsplit(self.path).path
             if path in dev_routes and not dev_mode:
                 return self._answer(None)
-            routes = {"/health": lambda: {}, "/v1/models": engine.models, "/server_info": engine.server_info,
+            query = urlsplit(self.path).query
+            routes = {"/health": lambda: {}, "/v1/models": engine.models,
+                      "/server_info": lambda: engine.server_info(query),
                       "/get_world_size": lambda: {"world_size": 1}, "/version": lambda: {"version": "0.29.0"},
                       "/stand_in/stats": engine.stats}
             self._answer(routes.get(path))
@@ -359,7 +382,9 @@ def main(argv=None) -> None:
     parser.add_argument("--score-temperature-offset", type=float, default=0.0)
     parser.add_argument("--no-token-ids", action="store_true")
     parser.add_argument("--max-model-len", type=int, default=32768)
-    parser.add_argument("--raw-logprobs", action="store_true")
+    parser.add_argument("--logprobs-mode", default="processed_logprobs",
+                        choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--no-tool-parser", action="store_true")
     parser.add_argument("--no-dev-mode", action="store_true")
     parser.add_argument("--no-weight-transfer", action="store_true")
@@ -367,7 +392,8 @@ def main(argv=None) -> None:
     policy = json.load(open(args.policy)) if args.policy else {}
     torch.set_num_threads(1)  # the trainer shares this CPU; a tiny model gains nothing from more threads
     engine = Engine(args.model_dir, args.served_name, policy, args.score_temperature_offset, not args.no_token_ids,
-                    args.max_model_len, args.raw_logprobs, not args.no_tool_parser, not args.no_weight_transfer)
+                    args.max_model_len, args.logprobs_mode, not args.no_tool_parser, not args.no_weight_transfer,
+                    args.dtype)
     server = ThreadingHTTPServer((args.host, args.port), _handler(engine, not args.no_dev_mode))
     print(f"stand-in engine serving {args.served_name} on http://{args.host}:{server.server_port}", flush=True)
     server.serve_forever()
