@@ -132,6 +132,19 @@ def assert_resumed_order(saved: dict, stdout: str) -> None:
     assert groups and all(name == tasks[visits[group] % len(tasks)] for group, name in groups), (saved, groups)
 
 
+def test_a_resume_runs_the_untrained_groups_first_then_continues_the_order():
+    rows = ["a", "b", "c", "d"]
+    # The checkpoint left visits 5 and 7 untrained and the order going on at visit 9 (visit v is row v % 4).
+    order = agh.VisitOrder(rows, pending=[5, 7], start=9)
+    assert [order.visit(group) for group in range(7)] == [5, 7, 9, 10, 11, 12, 13]
+    assert list(order) == ["b", "d", "b", "c", "d"], "TRL's worker's first pass over the rows"
+    assert list(order) == rows, "and every later one"
+    # Stopped once groups 0-3 were taken, 0 and 3 trained: 1 and 2 run again, then visit 11 (group 4's) on.
+    assert order.after(4, done={0, 3}) == ([7, 9], 11)
+    # Stopped before taking every group the previous launch left: the rest stay first.
+    assert order.after(1, done=set()) == ([5, 7], 9)
+
+
 @pytest.mark.parametrize("damage", ["no optimizer.pt", "cut trainer_state.json", "no rollout_state.json"])
 def test_a_damaged_checkpoint_is_not_resumed_from(preempted_and_relaunched, tmp_path, damage):
     _, _, _, _, out = preempted_and_relaunched
