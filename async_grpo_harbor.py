@@ -1774,7 +1774,8 @@ def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
     step = trainer.state.global_step
     checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
     # Rank 0 decides for all: ranks that judged the files apart could split into a save and no save.
-    save = broadcast_object_list([bool(step) and checkpoint_problem(checkpoint) is not None], from_process=0)[0]
+    save = bool(step) and trainer.accelerator.is_main_process and checkpoint_problem(checkpoint) is not None
+    save = broadcast_object_list([save], from_process=0)[0]
     if save:
         # A step interrupted while waiting for rollouts is dropped whole: the weights and optimizer are still those
         # of the last finished step, and its gradients are not kept.
