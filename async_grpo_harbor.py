@@ -1496,40 +1496,83 @@ def numbered_checkpoints(output_dir: str) -> list[Path]:
     return [p for _, p in sorted(steps, reverse=True)]
 
 
+# What a resume loads, by how the run was sharded: the optimizer file names the layout (transformers' _save_checkpoint,
+# accelerate's save_fsdp_model / save_fsdp_optimizer), and each layout resumes the weights from its own file.
+CHECKPOINT_LAYOUTS = {
+    "optimizer.pt": "model.safetensors",  # one process, or DDP
+    "optimizer.bin": "pytorch_model_fsdp.bin",  # FSDP, FULL_STATE_DICT (slurm/fsdp2.yaml)
+    "optimizer_0": "pytorch_model_fsdp_0",  # FSDP, SHARDED_STATE_DICT: torch.distributed.checkpoint folders
+}
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """Why a resume from `path` would fail or silently lose state, or None.
 
     Structural checks only (every file a resume loads is present and complete): reading a multi-GB optimizer state
     to the end would not fit in a preemption grace period. transformers resumes with a fresh optimizer, without a
-    word, when optimizer.pt or scheduler.pt is missing, so both are required.
+    word, when it finds no optimizer state or no scheduler.pt, so both are required.
     """
+    try:
+        int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+        rollout = json.loads((path / "rollout_state.json").read_text())
+        int(rollout["prompt_index"])
+        [int(visit) for visit in rollout.get("pending", [])]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    layouts = [name for name in CHECKPOINT_LAYOUTS if (path / name).exists()]
+    if not layouts:
+        return f"no optimizer state ({', '.join(CHECKPOINT_LAYOUTS)})"
+    parts = [*layouts, *(CHECKPOINT_LAYOUTS[name] for name in layouts), "scheduler.pt",
+             *(f.name for f in path.glob("rng_state*.pth"))]
+    if "model.safetensors" not in parts and ((path / "model.safetensors").exists()
+                                             or (path / "model.safetensors.index.json").exists()):
+        parts.append("model.safetensors")  # FSDP's FULL_STATE_DICT also writes it: what inference loads
+    for name in parts:
+        if problem := artifact_problem(path, name):
+            return problem
+    return None
+
+
+def artifact_problem(checkpoint: Path, name: str) -> str | None:
+    """Why one saved artifact is missing or cut short, by its format, or None."""
     import zipfile
 
     from safetensors import SafetensorError, safe_open
 
-    try:
-        int(json.loads((path / "trainer_state.json").read_text())["global_step"])
-        int(json.loads((path / "rollout_state.json").read_text())["prompt_index"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    index = path / "model.safetensors.index.json"
-    try:
-        weights = ({path / f for f in json.loads(index.read_text())["weight_map"].values()} if index.is_file()
-                   else {path / "model.safetensors"})
-    except (OSError, ValueError, KeyError, AttributeError) as exc:
-        return f"{index.name}: {type(exc).__name__}: {exc}"
-    for file in sorted(weights):
+    path = checkpoint / name
+    if name == "model.safetensors":
+        index = checkpoint / "model.safetensors.index.json"
         try:
-            with safe_open(str(file), "pt"):
-                pass
-        except (OSError, SafetensorError) as exc:
-            return f"{file.name}: {exc}"
-    for name in ("optimizer.pt", "scheduler.pt", *(f.name for f in path.glob("rng_state*.pth"))):
+            files = ({checkpoint / f for f in json.loads(index.read_text())["weight_map"].values()}
+                     if index.is_file() else {path})
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            return f"{index.name}: {type(exc).__name__}: {exc}"
+        for file in sorted(files):
+            try:
+                with safe_open(str(file), "pt"):
+                    pass
+            except (OSError, SafetensorError) as exc:
+                return f"{file.name}: {exc}"
+        return None
+    if path.is_dir():  # torch.distributed.checkpoint: .metadata says which bytes of which file hold each tensor
+        from torch.distributed.checkpoint import FileSystemReader
+
         try:
-            with zipfile.ZipFile(path / name) as archive:
-                archive.namelist()
-        except (OSError, zipfile.BadZipFile) as exc:
-            return f"{name}: {exc}"
+            stored = FileSystemReader(str(path)).read_metadata().storage_data.values()
+        except Exception as exc:  # noqa: BLE001 - a truncated pickle raises whatever it hits
+            return f"{name}/.metadata: {type(exc).__name__}: {exc}"
+        needed: dict[str, int] = {}
+        for item in stored:
+            needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+        for file, size in sorted(needed.items()):
+            if not (path / file).is_file() or (path / file).stat().st_size < size:
+                return f"{name}/{file}: missing or cut short (needs {size} bytes)"
+        return None
+    try:  # torch.save's zip archive: its directory is written last, so a cut file has none
+        with zipfile.ZipFile(path) as archive:
+            archive.namelist()
+    except (OSError, zipfile.BadZipFile) as exc:
+        return f"{name}: {exc}"
     return None
 
 
@@ -1818,6 +1861,7 @@ class RolloutAccounting:
         self.pending: dict[Any, list[dict[str, Any]]] = {}
         self.groups_total = self.zero_total = 0
         self.by_harness: dict[str, list[int]] = {h: [0, 0] for h in harnesses}  # [groups, zero-variance groups]
+        self.unscorable_groups: set[int] = set()  # groups whose every rollout failed (a resume need not rerun them)
         self.last = time.monotonic()
 
     def _new_records(self) -> list[dict[str, Any]]:
@@ -1844,6 +1888,7 @@ class RolloutAccounting:
             rewards = {m["train_reward"] if m["train_reward"] is not None else m["reward"]
                        for m in members if m["error"] is None}
             if not rewards:
+                self.unscorable_groups.add(record["group"])
                 continue  # no sample at all: counted as errors, not as a group that trained on nothing
             scored_groups.append(record["group"])
             zero = len(rewards) == 1
@@ -1956,18 +2001,19 @@ class StopRequest:
 
     def handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        # os.write, not print: the main thread may be inside a print, which a print here would re-enter.
+        # os.write, not print: the main thread may be inside a print, which a print here would re-enter. Rank 0
+        # alone speaks: a launcher forwards the signal to every rank.
+        say = (lambda text: os.write(1, text.encode())) if launch_rank() == 0 else (lambda text: None)
         if self.signal_name is not None:
-            os.write(1, f"[harbor] {name} again: already stopping; the checkpoint is written whole or not at all\n"
-                     .encode())
+            say(f"[harbor] {name} again: already stopping; the checkpoint is written whole or not at all\n")
             return
         self.signal_name = name
         if not self.deferred:
-            os.write(1, f"[harbor] stopped by {name} before training started: nothing to save; exit code "
-                        f"{REQUEUE_EXIT_CODE} (requeue). Resume: {self.resume_command}\n".encode())
+            say(f"[harbor] stopped by {name} before training started: nothing to save; exit code "
+                f"{REQUEUE_EXIT_CODE} (requeue). Resume: {self.resume_command}\n")
             raise SystemExit(REQUEUE_EXIT_CODE)
-        os.write(1, f"[harbor] {name}: stopping at the end of this optimizer step (sooner if it is waiting for "
-                    "rollouts) to save a checkpoint\n".encode())
+        say(f"[harbor] {name}: stopping at the end of this optimizer step (sooner if it is waiting for rollouts) to "
+            "save a checkpoint\n")
 
 
 STOP = StopRequest()
@@ -2013,17 +2059,105 @@ def publish_checkpoint(staged: Path, final: Path, keep: int | None = None) -> No
 
 
 def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
-    """Checkpoint the last finished optimizer step, unless a checkpoint already holds it, and ask for a requeue."""
+    """Checkpoint the last finished optimizer step, unless a checkpoint already holds it, and ask for a requeue.
+    Every rank calls it: a save is a collective (each rank writes its RNG state, FSDP gathers or writes shards)."""
+    from accelerate.utils import broadcast_object_list
+
     step = trainer.state.global_step
     checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
-    if step and checkpoint_problem(checkpoint) is not None:
+    # Rank 0 decides for all: ranks that judged the files apart could split into a save and no save.
+    save = bool(step) and trainer.accelerator.is_main_process and checkpoint_problem(checkpoint) is not None
+    save = broadcast_object_list([save], from_process=0)[0]
+    if save:
         # A step interrupted while waiting for rollouts is dropped whole: the weights and optimizer are still those
         # of the last finished step, and its gradients are not kept.
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-    saved = f"checkpoint {checkpoint} (step {step})" if step else "no optimizer step yet, nothing to save"
-    print(f"[harbor] stopped by {STOP.signal_name}: {saved}; exit code {REQUEUE_EXIT_CODE} (requeue). Resume: "
+    name = STOP.signal_name or "a stop on rank 0"
+    if not trainer.accelerator.is_main_process:
+        print(f"[harbor] rank {trainer.accelerator.process_index}: stopped with rank 0 by {name}; exit code "
+              f"{REQUEUE_EXIT_CODE}", flush=True)
+        return REQUEUE_EXIT_CODE
+    saved = "no optimizer step yet, nothing to save"
+    if step:
+        ranks = trainer.accelerator.num_processes
+        rollout = json.loads((checkpoint / "rollout_state.json").read_text())
+        saved = (f"checkpoint {checkpoint} (step {step}{f', all {ranks} ranks' if ranks > 1 else ''}); a resume "
+                 f"runs its {len(rollout.get('pending', []))} untrained groups first, then tasks from position "
+                 f"{rollout['prompt_index']}")
+    print(f"[harbor] stopped by {name}: {saved}; exit code {REQUEUE_EXIT_CODE} (requeue). Resume: "
           f"{STOP.resume_command}", flush=True)
     return REQUEUE_EXIT_CODE
+
+
+# The key of the batch that carries a stop to every rank (see HarborGRPOTrainer.get_train_dataloader).
+STOP_BATCH = "harbor_stop"
+
+
+class VisitOrder:
+    """The dataset rows the rollout worker visits, group after group: first the untrained groups a stopped run left
+    (`pending`, as visit numbers: the n-th row visited is row n % len(rows)), then every row from visit `start` on.
+
+    TRL's worker visits `iter(rows)` and restarts it at the end, resuming only at one start index; this keeps the
+    first pass in resume order and every later pass in the plain order. Module level: it is pickled to TRL's child.
+    """
+
+    def __init__(self, rows: Any, pending: list[int], start: int):
+        self.rows, self.pending, self.start = rows, list(pending), start
+        self._passes = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        first, self._passes = self._passes == 0, self._passes + 1
+        n = len(self.rows)
+        rows = [v % n for v in self.pending] + list(range(self.start % n, n)) if first else range(n)
+        return (self.rows[i] for i in rows)
+
+    def visit(self, group: int) -> int:
+        """The visit number of this launch's group `group` (TRL counts groups from 0 at every launch)."""
+        return self.pending[group] if group < len(self.pending) else self.start + group - len(self.pending)
+
+    def after(self, seen: int, done: set[int]) -> tuple[list[int], int]:
+        """Where a resume continues when this launch's groups below `seen` are the ones the trainer may have taken
+        and `done` those it needs no more: the others, then every visit from the first group not yet seen."""
+        pending = [self.visit(g) for g in range(seen) if g not in done] + self.pending[seen:]
+        return pending, self.start + max(0, seen - len(self.pending))
+
+
+class CollatedGroups(set):
+    """TRL's set of collated group ids (its collator adds each micro-batch's groups with one `update`), which also
+    keeps those micro-batches in order: the trainer consumes them in that order, so it can tell the ones an optimizer
+    step trained from the one accelerate collated ahead and the ones of a step a stop dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: list[set[int]] = []
+
+    def update(self, groups) -> None:
+        groups = set(groups)
+        self.batches.append(groups)
+        super().update(groups)
+
+
+def stop_batch_on_preempt(batches, num_processes: int):
+    try:
+        yield from batches
+    except Preempted:
+        import torch
+
+        yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
+
+
+def rollout_timeout_s(args: argparse.Namespace) -> int:
+    """The longest one rollout may take (TRL's request timeout): the agent's limit, plus sandbox start and verifier."""
+    return int(args.agent_timeout or 3600) + 1800
+
+
+def collective_timeout_s(args: argparse.Namespace) -> int:
+    """Process-group timeout. Ranks >= 1 wait in a collective while rank 0 collects rollouts for a micro-batch: a
+    whole group, whose rollouts may run one after another when sandboxes are scarce (NCCL's default is 10 min)."""
+    return args.num_generations * rollout_timeout_s(args)
 
 
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]]):
@@ -2036,6 +2170,16 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     class HarborRolloutWorker(HarnessRolloutWorker):
         stop = stop_rollout_worker
 
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.rows, self.pending, self.order = kwargs["dataset"], [], None
+
+        def start(self) -> None:
+            # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
+            self.order = VisitOrder(self.rows, self.pending, self._loop_kwargs["dataset_start_index"])
+            self._loop_kwargs.update(dataset=self.order, dataset_start_index=0)
+            super().start()
+
         def check_health(self, stale_after_s: float) -> None:
             # TRL calls this each time the trainer has waited a queue poll for rollouts: a safe point to stop at.
             if STOP.signal_name is not None:
@@ -2043,13 +2187,67 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             super().check_health(stale_after_s)
 
     class StopAtStepEnd(TrainerCallback):
+        def __init__(self, trainer):
+            self.trainer = trainer
+
         def on_step_end(self, _args, _state, control, **_kwargs):
-            if STOP.signal_name is not None:
+            trainer = self.trainer
+            trainer.trained_groups |= trainer.step_groups
+            trainer.step_groups = set()
+            # A signal may reach some ranks only, or at other times: they agree here, as TRL's epoch stop does.
+            asked = torch.tensor(int(STOP.signal_name is not None), device=trainer.accelerator.device)
+            if int(trainer.accelerator.reduce(asked, reduction="sum").item()):
+                trainer.stop_agreed = True
                 control.should_save = True
                 control.should_training_stop = True
 
     class HarborGRPOTrainer(AsyncGRPOTrainer):
         _staging_dir: str | None = None
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self._trained_groups = CollatedGroups()
+            self.step_groups: set[int] = set()  # groups of the micro-batches of the step under way
+            self.trained_groups: set[int] = set()  # groups with samples in a finished optimizer step
+            self.stop_agreed = False
+
+        def get_train_dataloader(self):
+            loader = super().get_train_dataloader()
+            if self.accelerator.is_main_process:
+                # accelerate's dispatcher pulls each micro-batch from rank 0's loader and broadcasts it; the other
+                # ranks wait in that broadcast while rank 0 waits for rollouts. A stop that ends rank 0's wait
+                # reaches them as one more batch, so every rank leaves the step at the same point.
+                base, make = loader.base_dataloader, loader.base_dataloader._get_iterator
+                base._get_iterator = lambda: stop_batch_on_preempt(make(), self.accelerator.num_processes)
+            return loader
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+            if any(STOP_BATCH in batch for batch in batches):
+                self.stop_agreed = True
+                raise Preempted(STOP.signal_name or "a stop on rank 0")
+            return batches, count
+
+        def training_step(self, model, inputs, num_items_in_batch):
+            if self.accelerator.is_main_process:
+                self.step_groups |= self._trained_groups.batches.pop(0)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def resume_position(self) -> tuple[list[int], int]:
+            """Untrained visits and the next visit, for rollout_state.json: every group the trainer took but no
+            optimizer step trained runs again (collated ahead, in a dropped step, stale), none that one trained does.
+            A group that yielded no sample at all (every rollout failed) is done: rerunning it would fail again."""
+            worker = self.rollout_worker
+            order = worker.order or VisitOrder(worker.rows, worker.pending, worker._loop_kwargs["dataset_start_index"])
+            seen = max(self._trained_groups, default=-1) + 1
+            return order.after(seen, self.trained_groups | accounting.unscorable_groups)
+
+        def _inner_training_loop(self, *a, **kw):
+            checkpoint = kw.get("resume_from_checkpoint")
+            if self.rollout_worker is not None and checkpoint:
+                state = json.loads((Path(checkpoint) / "rollout_state.json").read_text())
+                self.rollout_worker.pending = [int(v) for v in state.get("pending", [])]
+            return super()._inner_training_loop(*a, **kw)
 
         def _get_output_dir(self, trial):
             # transformers and TRL write a checkpoint file by file into <output dir>/checkpoint-N; pointing them at a
@@ -2062,6 +2260,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             staging = run_dir / f".staging-{name}"
             if self.accelerator.is_main_process:
                 shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+            self.accelerator.wait_for_everyone()  # no rank writes into the staging dir before it is emptied
             self._staging_dir = str(staging)
             try:
                 super()._save_checkpoint(model, trial)
@@ -2070,15 +2269,12 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             self.accelerator.wait_for_everyone()  # every rank's files are in before the rename
             if not self.accelerator.is_main_process:
                 return
-            # TRL resumes at the first group it never trained. A group that yields no sample (every rollout of a
-            # broken task failed) is never trained, so each later resume would restart there and replay everything
-            # after it; resume after the last trained group instead.
+            # TRL resumes at the first group no micro-batch held, which repeats trained groups after it and skips
+            # the ones accelerate collated ahead or a stop dropped; resume_position() knows which were trained.
             state_file = staging / name / "rollout_state.json"
-            if state_file.is_file() and self._trained_groups:
-                state = json.loads(state_file.read_text())
-                start = self.rollout_worker._loop_kwargs["dataset_start_index"]
-                state["prompt_index"] = start + max(self._trained_groups) + 1
-                write_json_atomic(state_file, state)
+            state = json.loads(state_file.read_text())
+            state["pending"], state["prompt_index"] = self.resume_position()
+            write_json_atomic(state_file, state)
             publish_checkpoint(staging / name, run_dir / name, keep=self.args.save_total_limit)
             staging.rmdir()
 
@@ -2093,10 +2289,12 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         save_strategy="steps", logging_steps=1, gradient_accumulation_steps=args.micro_batches_per_step,
         # bf16 autocast exists only on GPUs; elsewhere it would score at another precision than the engine.
         bf16=torch.cuda.is_available(), dtype=args.dtype, save_total_limit=args.save_total_limit or None,
+        # Without CUDA, ranks join over gloo (join_ranks); accelerate only runs several processes on CPU when told.
+        use_cpu=not torch.cuda.is_available(), ddp_timeout=collective_timeout_s(args),
         num_generations=args.num_generations, max_inflight_tasks=args.max_inflight,
         max_staleness=args.max_staleness, temperature=args.temperature,
         max_completion_length=args.max_completion_length, vllm_server_base_url=args.vllm_url,
-        request_timeout=int(args.agent_timeout or 3600) + 1800,
+        request_timeout=rollout_timeout_s(args),
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     try:
@@ -2126,7 +2324,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     )
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
                                 rollout_worker=worker)
-    trainer.add_callback(StopAtStepEnd())
+    trainer.add_callback(StopAtStepEnd(trainer))
     return trainer
 
 
@@ -2145,7 +2343,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     rank = launch_rank()
-    share = join_ranks() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    share = join_ranks(collective_timeout_s(args)) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
     try:
         code, plan = None, {}
@@ -2178,20 +2376,23 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def join_ranks():
+def join_ranks(timeout_s: int):
     """Under `accelerate launch` / torchrun: rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on
     the main process only); the others take its plan and run name, so N processes start one server and write one run.
 
-    Over a gloo group with a long timeout: rank 0's preflight can take minutes (a first dataset download), longer than
-    NCCL's default collective timeout.
+    Creates the process group accelerate and transformers then reuse, so its timeout is set here: once a group exists
+    they ignore TrainingArguments' ddp_timeout. Rank 0's preflight (a first dataset download) and its rollout waits
+    both outlast NCCL's default.
     """
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
     from accelerate import PartialState
 
-    PartialState()  # the process group the trainer will use
-    group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
+    timeout = timedelta(seconds=timeout_s)
+    PartialState(cpu=not torch.cuda.is_available(), timeout=timeout)  # accelerate's own choice of backend
+    group = dist.new_group(backend="gloo", timeout=timeout)  # for Python objects, whatever the main backend
 
     def share(payload):
         box = [payload]
@@ -2199,6 +2400,19 @@ def join_ranks():
         return box[0]
 
     return share
+
+
+def process_group_timeout() -> str:
+    """The timeout of the process group training runs on, as torch holds it (what the NCCL watchdog enforces)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        backend = group._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        return f"{dist.get_world_size()} ranks ({dist.get_backend()}), collective timeout {backend.options._timeout}"
+    except (AttributeError, RuntimeError, ValueError) as exc:  # private torch API: report, do not fail the run
+        return f"{dist.get_world_size()} ranks (timeout unreadable: {exc})"
 
 
 def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
@@ -2223,6 +2437,7 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
                         else "size unknown") + f", the newest {args.save_total_limit or 'all'} kept",
         "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
         "report to": f"{args.report_to} (project {args.project})",
+        **({"ranks": process_group_timeout()} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}),
     })
 
 
@@ -2234,7 +2449,7 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
     try:
         trainer.train(resume_from_checkpoint=plan["resume"])
     except Preempted:
-        pass  # unwinding ran TRL's cleanup: rollout child stopped, its server sessions released
+        pass  # every rank raised it at the same batch; unwinding ran TRL's cleanup (rollout child, server sessions)
     except RuntimeError as exc:
         cause = str(exc.__cause__ or exc)
         if ROLLOUTS_FAILING in cause:
@@ -2243,7 +2458,7 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
                   f"{args.output_dir} --resume", file=sys.stderr)
             return 1
         raise
-    if STOP.signal_name and trainer.state.global_step < args.max_steps:
+    if trainer.stop_agreed and trainer.state.global_step < args.max_steps:
         return save_for_requeue(trainer, args)
     trainer.save_model(args.output_dir)
     print(f"[harbor] done: {trainer.state.global_step} steps, model saved to {args.output_dir}", flush=True)

@@ -107,11 +107,13 @@ def test_an_engine_scoring_at_another_temperature_moves_ratio_and_kl(make_rig, t
 
 def test_a_task_that_never_scores_does_not_pin_the_resume_position(rig, tmp_path):
     # TRL resumes at the first task group that was never trained; a group whose rollouts all failed never is, so
-    # every later resume would restart at the broken task and replay all the tasks after it.
+    # every later resume would restart at the broken task and replay all the tasks after it. The script reruns the
+    # groups a stop left untrained, but not one that yielded no sample: it would fail again.
     out = tmp_path / "out"
     proc = run_script(train_args(rig, out, "--tasks", "broken,coin,coin2,echo-hello", "--max-steps", "2",
                                  "--save-steps", "2"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     broken = [r for _, name, r in rollouts(proc.stdout) if name == "broken"]
     assert broken and all(r is None for r in broken)
-    assert json.loads((out / "checkpoint-2" / "rollout_state.json").read_text())["prompt_index"] >= 2
+    state = json.loads((out / "checkpoint-2" / "rollout_state.json").read_text())
+    assert state["prompt_index"] >= 2 and 0 not in state["pending"], state

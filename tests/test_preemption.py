@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (ROOT, SCRIPT, TASKS, assert_all_slots_free, free_port, log_history, rollouts, run_script,
-                      script_env, train_args)
+from conftest import (POLICY, ROOT, SCRIPT, TASKS, assert_all_slots_free, free_port, log_history, post_json, rollouts,
+                      run_script, script_env, train_args)
 from safetensors.torch import load_file
 from test_refusals import assert_refused
 import importlib.util
@@ -65,15 +65,24 @@ def run_until_signalled(args: list[str], cwd: Path) -> tuple[int, str]:
 def preempted_and_relaunched(rig, tmp_path_factory):
     work = tmp_path_factory.mktemp("preempt")
     out = work / "out"
-    # --save-steps beyond the run: every checkpoint here is the preemption's own.
-    command = train_args(rig, out, "--max-steps", "2", "--save-steps", "100", "--resume", "auto")
-    code, first = run_until_signalled(command, work)
+    # --save-steps beyond the run: every checkpoint here is the preemption's own. --max-staleness 0 and an engine
+    # that holds every request once the weights of step 1 are in: no sample can arrive after step 1 (those sampled
+    # before are stale), so the SIGTERM lands while the trainer waits for rollouts, its usual state. Step 2's one
+    # micro-batch was collated ahead, before step 1 trained: it is whole, so it still trains before the stop.
+    command = train_args(rig, out, "--max-steps", "3", "--save-steps", "100", "--max-staleness", "0",
+                         "--resume", "auto")
+    hold = rig.engine_stats()["weight_version"] + 2  # the cold sync, step 1
+    post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "hold_from_weight_version": hold})
+    try:
+        code, first = run_until_signalled(command, work)
+    finally:
+        post_json(f"{rig.engine_url}/stand_in/policy", POLICY)
     assert_all_slots_free(rig)
     saved = {p.name: (json.loads((p / "rollout_state.json").read_text()), log_history(out, int(p.name[11:])))
              for p in out.glob("checkpoint-*")}
     # What a save killed midway would leave if it wrote in place: the next step's checkpoint, weights cut short.
-    partial = out / "checkpoint-2"
-    shutil.copytree(out / "checkpoint-1", partial)
+    partial = out / "checkpoint-3"
+    shutil.copytree(out / "checkpoint-2", partial)
     weights = partial / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     relaunched = run_script(command, cwd=work)
@@ -84,51 +93,123 @@ def test_sigterm_saves_the_finished_step_and_asks_for_a_requeue(preempted_and_re
     code, first, saved, _, out = preempted_and_relaunched
     assert code == REQUEUE
     last = first.strip().splitlines()[-1]
-    assert re.fullmatch(rf"\[harbor\] stopped by SIGTERM: checkpoint {re.escape(str(out))}/checkpoint-1 \(step 1\); "
+    assert re.fullmatch(rf"\[harbor\] stopped by SIGTERM: checkpoint {re.escape(str(out))}/checkpoint-2 \(step 2\); "
+                        r"a resume runs its \d+ untrained groups first, then tasks from position \d+; "
                         r"exit code 75 \(requeue\)\. Resume: uv run async_grpo_harbor\.py .* --resume auto", last), last
     assert "SIGUSR1 again: already stopping" in first
     assert "Traceback" not in first
-    assert list(saved) == ["checkpoint-1"]
-    assert [e["step"] for e in saved["checkpoint-1"][1]] == [1]
+    assert list(saved) == ["checkpoint-2"]
+    assert [e["step"] for e in saved["checkpoint-2"][1]] == [1, 2]
 
 
 def test_the_same_command_skips_the_partial_checkpoint_and_continues_exactly(preempted_and_relaunched):
     _, first, saved, relaunched, out = preempted_and_relaunched
     assert relaunched.returncode == 0, relaunched.stderr[-3000:]
-    assert re.search(rf"warning: skipping {re.escape(str(out))}/checkpoint-2: model\.safetensors: .*incomplete",
+    assert re.search(rf"warning: skipping {re.escape(str(out))}/checkpoint-3: model\.safetensors: .*incomplete",
                      relaunched.stderr), relaunched.stderr[-3000:]
-    assert re.search(rf"resume from\s+{re.escape(str(out))}/checkpoint-1\n", relaunched.stdout)
-    # No optimizer step lost or repeated: the relaunch ran exactly step 2, on the optimizer state of step 1.
-    assert [e["step"] for e in log_history(out, 2)] == [1, 2]
-    assert log_history(out, 2)[0] == saved["checkpoint-1"][1][0]
-    optimizer = torch.load(out / "checkpoint-2" / "optimizer.pt", weights_only=False)
-    assert {int(s["step"]) for s in optimizer["state"].values()} == {2}
+    assert re.search(rf"resume from\s+{re.escape(str(out))}/checkpoint-2\n", relaunched.stdout)
+    # No optimizer step lost or repeated: the relaunch ran exactly step 3, on the optimizer state of step 2.
+    assert [e["step"] for e in log_history(out, 3)] == [1, 2, 3]
+    assert log_history(out, 3)[:2] == saved["checkpoint-2"][1]
+    optimizer = torch.load(out / "checkpoint-3" / "optimizer.pt", weights_only=False)
+    assert {int(s["step"]) for s in optimizer["state"].values()} == {3}
     # The model version counts on: one cold sync at launch and one per step, never reused.
-    before, after = (saved["checkpoint-1"][0],
-                     json.loads((out / "checkpoint-2" / "rollout_state.json").read_text()))
+    before, after = (saved["checkpoint-2"][0],
+                     json.loads((out / "checkpoint-3" / "rollout_state.json").read_text()))
     assert after["model_version"] == before["model_version"] + 2
-    # The task order continues at the saved position: no task is revisited before the ones not yet visited.
-    tasks, position = TASKS.split(","), before["prompt_index"]
-    assert position > 0
-    groups = sorted({(group, name) for group, name, _ in rollouts(relaunched.stdout)})
-    assert groups and all(name == tasks[(position + group) % len(tasks)] for group, name in groups), groups
+    # The task order continues: first the groups the stop left untrained, then the tasks after the last one taken.
+    assert_resumed_order(before, relaunched.stdout)
     # The partial checkpoint was replaced by a whole one.
-    assert agh.checkpoint_problem(out / "checkpoint-2") is None
-    assert load_file(out / "checkpoint-2" / "model.safetensors")
+    assert agh.checkpoint_problem(out / "checkpoint-3") is None
+    assert load_file(out / "checkpoint-3" / "model.safetensors")
+
+
+def assert_resumed_order(saved: dict, stdout: str) -> None:
+    tasks, pending, position = TASKS.split(","), saved["pending"], saved["prompt_index"]
+    assert position > 0
+    visits = [*pending, *range(position, position + 100)]
+    groups = sorted({(group, name) for group, name, _ in rollouts(stdout)})
+    assert groups and all(name == tasks[visits[group] % len(tasks)] for group, name in groups), (saved, groups)
+
+
+def test_a_resume_runs_the_untrained_groups_first_then_continues_the_order():
+    rows = ["a", "b", "c", "d"]
+    # The checkpoint left visits 5 and 7 untrained and the order going on at visit 9 (visit v is row v % 4).
+    order = agh.VisitOrder(rows, pending=[5, 7], start=9)
+    assert [order.visit(group) for group in range(7)] == [5, 7, 9, 10, 11, 12, 13]
+    assert list(order) == ["b", "d", "b", "c", "d"], "TRL's worker's first pass over the rows"
+    assert list(order) == rows, "and every later one"
+    # Stopped once groups 0-3 were taken, 0 and 3 trained: 1 and 2 run again, then visit 11 (group 4's) on.
+    assert order.after(4, done={0, 3}) == ([7, 9], 11)
+    # Stopped before taking every group the previous launch left: the rest stay first.
+    assert order.after(1, done=set()) == ([5, 7], 9)
 
 
 @pytest.mark.parametrize("damage", ["no optimizer.pt", "cut trainer_state.json", "no rollout_state.json"])
 def test_a_damaged_checkpoint_is_not_resumed_from(preempted_and_relaunched, tmp_path, damage):
     _, _, _, _, out = preempted_and_relaunched
     run = tmp_path / "out"
-    for step in (1, 2):
+    for step in (2, 3):
         shutil.copytree(out / f"checkpoint-{step}", run / f"checkpoint-{step}")
-    file = run / "checkpoint-2" / damage.split()[1]
+    file = run / "checkpoint-3" / damage.split()[1]
     if damage.startswith("no"):
         file.unlink()
     else:
         file.write_text(file.read_text()[:40])
-    assert agh.latest_checkpoint(str(run)) == str(run / "checkpoint-1")
+    assert agh.latest_checkpoint(str(run)) == str(run / "checkpoint-2")
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoints(preempted_and_relaunched, tiny_model, tmp_path_factory) -> dict[str, Path]:
+    """Checkpoints as a multi-GPU run writes them: the model and optimizer files from accelerate's own FSDP save
+    functions (tests/rig/fsdp_checkpoint.py, two ranks), the rest (trainer, scheduler, RNG and rollout state) from
+    this run's checkpoint, as transformers writes those the same way whatever the sharding."""
+    _, _, _, _, out = preempted_and_relaunched
+    work = tmp_path_factory.mktemp("fsdp")
+    subprocess.run([sys.executable, str(ROOT / "tests" / "rig" / "fsdp_checkpoint.py"), str(tiny_model),
+                    str(work / "saved")], check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    layouts = {}
+    for layout in ("full", "sharded"):
+        checkpoint = layouts[layout] = work / layout / "checkpoint-3"
+        shutil.copytree(out / "checkpoint-3", checkpoint)
+        (checkpoint / "optimizer.pt").unlink()
+        if layout == "sharded":  # under SHARDED_STATE_DICT, transformers' save_model writes no model.safetensors
+            (checkpoint / "model.safetensors").unlink()
+        shutil.copytree(work / "saved" / layout, checkpoint, dirs_exist_ok=True)
+    return layouts
+
+
+def test_multi_gpu_checkpoints_are_resumable(fsdp_checkpoints):
+    assert sorted(p.name for p in fsdp_checkpoints["full"].iterdir() if "fsdp" in p.name or "optim" in p.name) == [
+        "optimizer.bin", "pytorch_model_fsdp.bin"]
+    assert sorted(p.name for p in fsdp_checkpoints["sharded"].iterdir() if p.is_dir()) == [
+        "optimizer_0", "pytorch_model_fsdp_0"]
+    for checkpoint in fsdp_checkpoints.values():
+        assert agh.checkpoint_problem(checkpoint) is None
+        assert agh.latest_checkpoint(str(checkpoint.parent)) == str(checkpoint)
+
+
+@pytest.mark.parametrize("layout, damage", [
+    ("full", "cut optimizer.bin"), ("full", "no pytorch_model_fsdp.bin"), ("full", "cut model.safetensors"),
+    ("sharded", "cut optimizer_0/__1_0.distcp"), ("sharded", "no pytorch_model_fsdp_0/.metadata"),
+    ("sharded", "no pytorch_model_fsdp_0/__0_0.distcp"), ("sharded", "no optimizer_0"),
+])
+def test_a_damaged_multi_gpu_checkpoint_is_not_resumed_from(fsdp_checkpoints, preempted_and_relaunched, tmp_path,
+                                                           layout, damage):
+    _, _, _, _, out = preempted_and_relaunched
+    run = tmp_path / "out"
+    shutil.copytree(out / "checkpoint-2", run / "checkpoint-2")
+    shutil.copytree(fsdp_checkpoints[layout], run / "checkpoint-3")
+    action, name = damage.split(" ", 1)
+    target = run / "checkpoint-3" / name
+    if action == "cut":
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    elif target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.unlink()
+    assert agh.checkpoint_problem(run / "checkpoint-3") is not None
+    assert agh.latest_checkpoint(str(run)) == str(run / "checkpoint-2")
 
 
 def test_resume_auto_refuses_a_run_name_that_changes_per_launch(tmp_path):

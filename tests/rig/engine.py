@@ -33,7 +33,9 @@ Policy (`--policy`, JSON; every key optional):
      "answers": {"echo-hello": "hello"},                         # what solving writes; default: the task name
      "answer_file": "/app/answer.txt",                           # where both scripts write
      "wrong_answer": "wrong",                                    # what failing writes
-     "seed": 0}
+     "seed": 0,
+     "hold_from_weight_version": 3}  # from the 3rd weight load on, chat requests wait until a policy without
+                                     # this key is set: rollouts stall, so the trainer waits for them
 
 A conversation names its task with a `rig-task: NAME` marker anywhere in a user message (put it in the Harbor
 task's instruction; mini-swe-agent embeds the instruction in its first user message). With tools offered, the
@@ -105,6 +107,8 @@ class Engine:
             raise HTTPError(400, "stand-in engine does not stream (the capture proxy always sends stream=false)")
         if body.get("n", 1) != 1:
             raise HTTPError(400, "stand-in engine supports n=1 only")
+        while self.weight_version >= self.policy.get("hold_from_weight_version", math.inf):
+            time.sleep(0.2)
         with self.state_lock:
             index = self.n_requests
             self.n_requests += 1
