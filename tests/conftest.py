@@ -107,17 +107,23 @@ class Rig:
         if not harbor:
             self.harbor_url, self.split = "", str(RIG / "tasks")
             return
+        self.start_harbor()
+        self.split = get_json(f"{self.harbor_url}/harbor_env/splits")[0]["name"]
+
+    def start_harbor(self) -> None:
+        """Start the Harbor server on the rig's port; again after it was stopped, a new one, as a restart does."""
+        log = self.workdir / (f"harbor.{self.harbor.proc.pid}.log" if self.harbor else "harbor.log")
         self.harbor = Service(
             "harbor server", [os.environ["AGH_SERVER_PYTHON"], str(RIG / "harbor_server.py"),
                               "--dataset", str(RIG / "tasks"), "--llm-url", f"{self.engine_url}/v1",
-                              "--host", "127.0.0.1", "--port", str(harbor_port), "--capture-port", str(free_port()),
-                              "--expose", "direct"],
-            workdir / "harbor.log", f"{self.harbor_url}/harbor_env/splits",
-            env={**SECRETS, "MAX_CONCURRENT_ENVS": str(max_concurrent_envs),
-                 "RIG_SANDBOX_DIR": str(workdir / "sandboxes"), "OPENENV_HARBOR_TRIALS_DIR": str(workdir / "trials")},
-            cwd=workdir)
+                              "--host", "127.0.0.1", "--port", self.harbor_url.rsplit(":", 1)[1],
+                              "--capture-port", str(free_port()), "--expose", "direct"],
+            log, f"{self.harbor_url}/harbor_env/splits",
+            env={**SECRETS, "MAX_CONCURRENT_ENVS": str(self.max_concurrent_envs),
+                 "RIG_SANDBOX_DIR": str(self.workdir / "sandboxes"),
+                 "OPENENV_HARBOR_TRIALS_DIR": str(self.workdir / "trials")},
+            cwd=self.workdir)
         self.harbor.wait_ready()
-        self.split = get_json(f"{self.harbor_url}/harbor_env/splits")[0]["name"]
 
     def engine_stats(self) -> dict:
         return get_json(f"{self.engine_url}/stand_in/stats")
