@@ -117,9 +117,8 @@ def test_a_task_that_never_scores_does_not_pin_the_resume_position(rig, tmp_path
     assert json.loads((out / "checkpoint-2" / "rollout_state.json").read_text())["prompt_index"] >= 2
 
 
-# Short, so the dead-server half of the test is short; long enough for the rig's Harbor server to restart on a loaded
-# 2-core machine.
-RETRY_WINDOW = 60
+# Short, so the dead-server half of the test is short; the rig's restart takes ~3 s on a loaded 2-core machine.
+RETRY_WINDOW = 30
 
 
 def test_a_harbor_server_restart_loses_no_rollout_and_a_dead_one_ends_the_run_in_one_line(make_rig, tmp_path):
@@ -130,12 +129,13 @@ def test_a_harbor_server_restart_loses_no_rollout_and_a_dead_one_ends_the_run_in
     from transformers import AutoModelForCausalLM
 
     rig = make_rig()
+    successor = rig.start_harbor(successor=True)  # imports now, serves once the first server is gone from the port
     out = tmp_path / "out"
     args = train_args(rig, out, "--max-steps", "50", "--save-steps", "1", "--harbor-retry-window", str(RETRY_WINDOW))
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=script_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
     reader.start()
 
     def wait_for(condition, what: str, timeout: float = 600) -> None:
@@ -159,9 +159,11 @@ def test_a_harbor_server_restart_loses_no_rollout_and_a_dead_one_ends_the_run_in
 
     try:
         wait_for(lambda: rollouts("".join(lines)), "no rollout finished")  # the next ones are in flight
+        wait_for(lambda: "rig: imported" in successor.log.read_text(), "the successor server did not get ready")
         t_kill = time.time()
         kill_server()
-        rig.start_harbor()
+        rig.harbor = successor
+        successor.wait_ready()
         wait_for(lambda: "rollouts in flight:" in "".join(lines), "the lost server went unnoticed")
         in_flight = int(re.search(r"is not answering \(.*\) with (\d+) rollouts in flight", "".join(lines))[1])
         wait_for(lambda: len(in_flight_at(t_kill)) >= in_flight and steps_saved() >= 1,
@@ -180,6 +182,7 @@ def test_a_harbor_server_restart_loses_no_rollout_and_a_dead_one_ends_the_run_in
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        successor.stop()
     console = "".join(lines)
     print(f"{console[-20000:]}\ndead server -> exit: {gone_s:.1f}s (retry window {RETRY_WINDOW}s)")
     assert code == 1
@@ -188,8 +191,9 @@ def test_a_harbor_server_restart_loses_no_rollout_and_a_dead_one_ends_the_run_in
     assert re.match(rf"error: training stopped: the Harbor server at {re.escape(rig.harbor_url)} has not answered for "
                     rf"{RETRY_WINDOW}s \(last: .*\)\. Fix the cause, then relaunch with --output-dir .* --resume",
                     errors[0]), errors[0]
-    # Decided once for the run: not per rollout, --max-consecutive-failures (32) rollouts over.
-    assert gone_s < RETRY_WINDOW + 60
+    # Decided once for the run, after the whole window: not per rollout, --max-consecutive-failures (32) rollouts
+    # over. The margin is the trainer noticing (it may be mid-step) and the rollout child's exit, on a loaded machine.
+    assert RETRY_WINDOW <= gone_s < RETRY_WINDOW + 90
     assert "Traceback" not in console and "Traceback" in (out / "rollout_worker.log").read_text()
     last = out / f"checkpoint-{max(saved, steps_saved())}"
     assert agh.checkpoint_problem(last) is None
