@@ -404,6 +404,9 @@ SERVER_GONE = "server_unreachable"
 def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, reward_key: str) -> Failure | None:
     """Why a finished `run_rollout` cannot be trained on (None: it can). Training, --eval-only and the probe judge
     every result here."""
+    if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
+        return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
+                                     f"{', '.join(sorted(r.rewards))}")
     if not r.ok:
         return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}")
     if r.rollout_type != "train" and require_tokens:
@@ -412,9 +415,6 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
     fatal = next((x for x in r.findings if "[FATAL" in x), None)
     if fatal:
         return Failure("capture", f"capture finding {fatal}")
-    if r.reward is None and r.rewards:
-        return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
-                                     f"{', '.join(sorted(r.rewards))}")
     if r.reward is None:
         return Failure("no_reward", "the verifier produced no reward")
     return None
@@ -456,8 +456,10 @@ class HarborServerSession:
         try:
             conn.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
             raw = conn.getresponse().read()
-        except (ConnectionError, http.client.HTTPException) as exc:
-            # The server went away mid-call (killed, restarted). A timeout is not this: the server may be busy.
+        except (OSError, http.client.HTTPException) as exc:
+            if isinstance(exc, TimeoutError) and exc.errno is None:
+                raise  # our own timeout: the rollout outlived its budget, the server may well be up
+            # The server went away mid-call: killed, restarted, or its host gone (the keepalive's ETIMEDOUT).
             raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
         reply = json.loads(raw or b"{}")
         error = reply.get("error")

@@ -24,6 +24,10 @@ def test_all_failing_rollouts_stop_training_with_the_reason(rig, tmp_path):
     # Rollouts in flight when the sixth failed may be counted too.
     assert re.match(r"error: training stopped: ([6-9]|\d\d) consecutive rollouts were unscorable", last), last
     assert "sandbox backend unreachable" in last and "--resume" in last
+    # One line on the console; TRL's rollout child's tracebacks go to a log file.
+    console = proc.stdout + proc.stderr
+    assert [line for line in console.splitlines() if line.startswith("error:")] == [last]
+    assert "Traceback" not in console and "Traceback" in (tmp_path / "out" / "rollout_worker.log").read_text()
     assert all(reward is None for _, _, reward in rollouts(proc.stdout))
     assert_all_slots_free(rig)
 
