@@ -69,7 +69,7 @@ import urllib.parse
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from openenv.core.harness import ResourceSession, ResourceSessionFactory, VerifyResult
 from openenv.core.harness.training import TrainingTrace
@@ -79,8 +79,10 @@ from openenv.harbor.models import HarborRolloutResult
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
-# Prefix of the error the rollout child raises to stop training; main() finds it in TRL's wrapped exception.
+# Prefix of the error the rollout child raises to stop training; train() finds it in TRL's wrapped exception.
 ROLLOUTS_FAILING = "harbor rollouts failing:"
+# In the output dir: TRL's rollout child's tracebacks, once the script stopped the run (the console gets one line).
+WORKER_LOG = "rollout_worker.log"
 # EX_TEMPFAIL: "stopped on request, a checkpoint holds everything; relaunch me". SLURM wrappers requeue on it.
 REQUEUE_EXIT_CODE = 75
 
@@ -114,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--harbor-url", default="",
                    help="Base URL of a running `openenv harbor serve` to use. Empty: this script starts its own on "
                         "127.0.0.1 for --dataset and --vllm-url, and stops it when it exits.")
+    g.add_argument("--harbor-retry-window", type=float, default=300.0,
+                   help="Seconds the Harbor server may stay unreachable (a restart) without ending the run: rollouts "
+                        "it lost start again in new sessions when it is back. Unreachable longer: the run stops "
+                        "(exit 1, resume from the last checkpoint). Also how long a full server is retried.")
     g.add_argument("--harbor-command", default=f"{sys.executable} -m openenv.cli harbor serve",
                    help="Without --harbor-url: the command that runs `openenv harbor serve` (its options are "
                         "appended), e.g. `uvx --python 3.12 --from openenv[harbor]==0.10.0 openenv harbor serve`.")
@@ -250,8 +256,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.temperature > 0:
         raise UsageError(f"--temperature must be > 0 (got {args.temperature}): the proxy enforces a "
                          "full-vocabulary sampling policy")
-    if args.max_staleness < 0 or args.agent_timeout < 0 or args.efficiency_weight < 0:
-        raise UsageError("--max-staleness, --agent-timeout and --efficiency-weight must be >= 0")
+    if min(args.max_staleness, args.agent_timeout, args.efficiency_weight, args.harbor_retry_window) < 0:
+        raise UsageError("--max-staleness, --agent-timeout, --efficiency-weight and --harbor-retry-window must be >= 0")
     args.vllm_url = args.vllm_url.rstrip("/").removesuffix("/v1")
     args.harbor_url = args.harbor_url.rstrip("/")
     if args.probe_rollout and not args.check:
@@ -389,6 +395,55 @@ def rotate_harnesses(rows: list[dict[str, Any]], harnesses: list[str]) -> list[d
 # ----------------------------------------------------------------------------------------------------------------------
 # Session factory: one Harbor rollout per TRL session
 # ----------------------------------------------------------------------------------------------------------------------
+def rollout_budget_s(agent_timeout: float) -> float:
+    """How long one `run_rollout` call may take: the agent's timeout (0: the task's own, at most an hour), plus
+    sandbox setup and verification."""
+    return (agent_timeout or 3600.0) + 1800.0
+
+
+class ServerLost(ConnectionError):
+    """The Harbor server stopped answering, or answered that it does not know our session: it was stopped or
+    restarted, and the rollout's sandbox went with it. `answered`: the server is up again (it said so itself)."""
+
+    def __init__(self, message: str, answered: bool = False):
+        super().__init__(message)
+        self.answered = answered
+
+
+class ServerFull(RuntimeError):
+    """The Harbor server has no free session slot (MAX_CONCURRENT_ENVS)."""
+
+
+class Failure(NamedTuple):
+    """Why a rollout is unscorable: `kind` is the countable name (`harbor/errors/<kind>`), `message` the reason."""
+
+    kind: str
+    message: str
+
+
+# The kind of the failure that stops the run at once, whatever --max-consecutive-failures says.
+SERVER_GONE = "server_unreachable"
+
+
+def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, reward_key: str) -> Failure | None:
+    """Why a finished `run_rollout` cannot be trained on (None: it can). Training, --eval-only and the probe judge
+    every result here."""
+    if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
+        return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
+                                     f"{', '.join(sorted(r.rewards))}")
+    if not r.ok:
+        return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}")
+    if r.rollout_type != "train" and require_tokens:
+        return Failure("eval_tier", "the engine returned no token ids / processed logprobs (eval tier): restart vLLM "
+                                    "with --return-tokens-as-token-ids --logprobs-mode processed_logprobs")
+    fatal = next((x for x in r.findings if "[FATAL" in x), None)
+    if fatal:
+        return Failure("capture", f"capture finding {fatal}")
+    if r.reward is None:
+        return Failure("no_reward", "the verifier produced no reward")
+    return None
+
+
 class HarborServerSession:
     """One server session on `openenv harbor serve`, spoken over HTTP MCP (`POST /mcp`).
 
@@ -422,15 +477,33 @@ class HarborServerSession:
 
     def _post(self, conn: http.client.HTTPConnection, method: str, params: dict[str, Any]) -> Any:
         body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
-        conn.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
-        reply = json.loads(conn.getresponse().read() or b"{}")
-        if reply.get("error"):
-            raise RuntimeError(f"harbor server: {method}: {reply['error'].get('message', reply['error'])}")
+        try:
+            conn.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
+            raw = conn.getresponse().read()
+        except (OSError, http.client.HTTPException) as exc:
+            if isinstance(exc, TimeoutError) and exc.errno is None:
+                raise  # our own timeout: the rollout outlived its budget, the server may well be up
+            # The server went away mid-call: killed, restarted, or its host gone (the keepalive's ETIMEDOUT).
+            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+        reply = json.loads(raw or b"{}")
+        error = reply.get("error")
+        if error:
+            message = f"harbor server: {method}: {error.get('message', error)}"
+            # openenv 0.10's http_server: a session it never created (or lost in a restart) is "Unknown session_id"
+            # (INVALID_PARAMS); a full server is SessionCapacityError's reply, the only one with max_sessions data.
+            if str(error.get("message", "")).startswith("Unknown session_id"):
+                raise ServerLost(message, answered=True)
+            if "max_sessions" in (error.get("data") or {}):
+                raise ServerFull(message)
+            raise RuntimeError(message)
         return reply.get("result")
 
     def _call_once(self, method: str, params: dict[str, Any], interruptible: bool) -> Any:
         # Connected before it is published, so close() always finds a socket it can shut down.
-        conn = self._open_connection()
+        try:
+            conn = self._open_connection()
+        except OSError as exc:
+            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
         try:
             with self._lock:
                 if self.closed:
@@ -451,7 +524,7 @@ class HarborServerSession:
             self.session_id = session_id
             closed = self.closed
         if closed:  # close() ran while the slot was being created: it could not release what it did not know
-            self._release()
+            self._release(session_id)
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
         self.open()
@@ -472,15 +545,22 @@ class HarborServerSession:
             except OSError:
                 pass
         if session_id is not None:
-            self._release()
+            self._release(session_id)
 
-    def _release(self) -> None:
+    def renew(self) -> None:
+        """Drop this session (the server lost it, or may still hold it: release it) so the next call opens a new one."""
+        with self._lock:
+            session_id, self.session_id = self.session_id, None
+        if session_id is not None:
+            self._release(session_id)
+
+    def _release(self, session_id: str) -> None:
         try:
             conn = self._open_connection(timeout=10)
         except OSError:
             return  # the server is gone: its slots went with it
         try:
-            self._post(conn, "openenv/session/close", {"session_id": self.session_id})
+            self._post(conn, "openenv/session/close", {"session_id": session_id})
         except (OSError, RuntimeError, ValueError):
             pass  # the server is gone (its slots went with it) or already dropped the session
         finally:
@@ -530,7 +610,9 @@ class HarborSession(ResourceSession):
         self.train_reward: float | None = None
         self._client = HarborRolloutClient(factory.harbor_url, factory.request_timeout_s)
         self.result: HarborRolloutResult | None = None
-        self.failure: str | None = None
+        self.failure: Failure | None = None
+        self.started = 0.0
+        self.retries = 0  # times this rollout started again in a new session, its first one lost to the server
 
     def initial_messages(self) -> list[dict[str, Any]]:
         return list(self._prompt)
@@ -542,40 +624,56 @@ class HarborSession(ResourceSession):
         raise NotImplementedError("the harness owns its loop; tools run inside the sandbox")
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
-        f = self._factory
-        # A Harbor server restart or a full server must not burn through --max-consecutive-failures in a second:
-        # transport failures are retried for a while before this rollout counts as failed.
-        deadline = time.monotonic() + f.transport_retry_s
+        f, session = self._factory, self._client.server_session
+        self.started = time.time()
         # The proxy accepts a training policy only from an engine it captures tokens from; any engine takes an eval one.
         policy = {"purpose": "eval", "eval_sampling": f.eval_sampling} if f.eval_sampling else {"sampling": f.sampling}
-        for attempt in itertools.count():
+        lost, backoff, full_since = False, 1.0, None
+        while True:
             try:
+                session.open()
+                f.server_answered()
+                self.retries += lost
+                lost = False
                 self.result = self._client.run_rollout(
                     split=self._split, task_index=self._task_index, harness=self.harness, sandbox=f.sandbox,
                     reward_key=f.reward_key, agent_timeout_sec=f.agent_timeout_s,
                     agent_step_limit=f.agent_step_limit, **policy,
                 )
                 break
-            except Exception as exc:  # noqa: BLE001 - any transport failure is this rollout's failure, judged below
-                self.failure = f"harbor server call failed: {type(exc).__name__}: {exc}"
-                if "capacity" in str(exc):
-                    self.failure += " (raise MAX_CONCURRENT_ENVS on the Harbor server to >= 2 x --max-inflight)"
-                retryable = isinstance(exc, OSError) or "capacity" in str(exc)
-                if not retryable or self._client.server_session.closed or time.monotonic() > deadline:
+            except ServerLost as exc:
+                # Stopped or restarted: the sandbox went with the session, so the rollout starts again in a new
+                # one once the server answers. The run waits for it once (one window for all rollouts), not per
+                # rollout, and never counts these toward --max-consecutive-failures.
+                if session.closed:
                     return 1
-                self._client.server_session.closed_event.wait(min(2.0 ** attempt, 30.0))
-        self.failure = None
-        r = self.result
-        fatal = next((x for x in r.findings if "[FATAL" in x), None)
-        if not r.ok:
-            self.failure = f"{r.exception_type or 'error'}: {r.error}"
-        elif r.rollout_type != "train" and f.require_tokens:
-            self.failure = ("the engine returned no token ids / processed logprobs (eval tier): restart vLLM with "
-                            "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
-        elif fatal:
-            self.failure = f"capture finding {fatal}"
-        elif r.reward is None:
-            self.failure = "the verifier produced no reward"
+                lost = True
+                left = f.server_lost(exc)
+                if left <= 0:
+                    self.failure = Failure(SERVER_GONE, f"the Harbor server at {f.harbor_url} has not answered for "
+                                                        f"{f.retry_window_s:g}s (last: {exc})")
+                    return 1
+                wait = min(backoff, left)
+            except ServerFull as exc:
+                f.server_answered()
+                if session.closed:
+                    return 1
+                full_since = full_since or time.monotonic()
+                wait = min(backoff, full_since + f.retry_window_s - time.monotonic())
+                if wait <= 0:
+                    self.failure = Failure("server_full", f"harbor server call failed: {exc} (raise "
+                                                          "MAX_CONCURRENT_ENVS on the Harbor server to >= 2 x "
+                                                          "--max-inflight)")
+                    return 1
+            except Exception as exc:  # noqa: BLE001 - this rollout's failure, not the server's: judged unscorable
+                self.failure = Failure("transport", f"harbor server call failed: {type(exc).__name__}: {exc}")
+                return 1
+            if session.closed_event.wait(wait):
+                return 1
+            session.renew()
+            backoff = min(2 * backoff, 10.0)
+        self.failure = judge_rollout(self.result, self.task_name, require_tokens=f.require_tokens,
+                                     reward_key=f.reward_key)
         return 0 if self.failure is None else 1
 
     def fetch_training_trace(self) -> TrainingTrace:
@@ -586,7 +684,7 @@ class HarborSession(ResourceSession):
                 trace = to_training_trace(self.result)
             except (ValueError, TypeError, KeyError) as exc:
                 # One malformed capture is this rollout's problem, not the run's: TRL stops its worker on any of these.
-                self.failure = f"capture rejected: {exc}"
+                self.failure = Failure("capture", f"capture rejected: {exc}")
             else:
                 if self._factory.reward_fn is not None:
                     # What TRL's rollout reward will be, so the group accounting sees the rewards it trains on.
@@ -597,7 +695,8 @@ class HarborSession(ResourceSession):
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
         if self.failure is not None or self.result is None:
-            return VerifyResult(env_reward=None, done=True, metrics={"failure": self.failure})
+            return VerifyResult(env_reward=None, done=True,
+                                metrics={"failure": self.failure.message if self.failure else None})
         r = self.result
         return VerifyResult(env_reward=r.reward, done=True,
                             metrics={"wall_s": r.wall_s, "turns": r.n_turns, **r.phase_timings})
@@ -615,18 +714,17 @@ class HarborSessionFactory(ResourceSessionFactory):
     """
 
     def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
-                 agent_timeout_s: float, max_consecutive_failures: int, sampling: dict[str, Any] | None = None,
-                 require_tokens: bool = True, record_path: str = "", reward_fn: Any = None,
-                 eval_sampling: dict[str, Any] | None = None):
+                 agent_timeout_s: float, max_consecutive_failures: int, retry_window_s: float = 300.0,
+                 sampling: dict[str, Any] | None = None, require_tokens: bool = True, record_path: str = "",
+                 reward_fn: Any = None, eval_sampling: dict[str, Any] | None = None, worker_log: str = ""):
         self.harbor_url = harbor_url
         self.harness = harness
         self.sandbox = sandbox
         self.reward_key = reward_key
         self.agent_step_limit = agent_step_limit
         self.agent_timeout_s = agent_timeout_s
-        # A rollout is bounded by the agent timeout plus sandbox setup and verification.
-        self.request_timeout_s = (agent_timeout_s or 3600.0) + 1800.0
-        self.transport_retry_s = 300.0
+        self.request_timeout_s = rollout_budget_s(agent_timeout_s)
+        self.retry_window_s = retry_window_s
         self.max_consecutive_failures = max_consecutive_failures
         self.sampling = dict(sampling or {})
         # False for --eval-only: a rollout of an engine without token ids is measurable, just not trainable.
@@ -635,8 +733,11 @@ class HarborSessionFactory(ResourceSessionFactory):
         # One JSON line per finished rollout, for the trainer's accounting and for the user to read.
         self.record_path = record_path
         self.reward_fn = reward_fn
+        # Where TRL's rollout child's stderr goes once this factory stops the run: the trainer says why in one line.
+        self.worker_log = worker_log
         self._lock = threading.Lock()
         self._consecutive_failures = 0
+        self._outage_since: float | None = None  # since when the server has not answered (monotonic)
         self.live_sessions: set[HarborSession] = set()
         if multiprocessing.parent_process() is not None and threading.current_thread() is threading.main_thread():
             self._guard_rollout_child()
@@ -671,27 +772,71 @@ class HarborSessionFactory(ResourceSessionFactory):
         self.live_sessions.add(session)
         return session
 
+    def _say(self, line: str) -> None:
+        # One locked write per line: rollouts finish on several threads at once, and print() writes the text and its
+        # newline separately, so two lines ran into one (seen in a test run) and log parsers missed a rollout.
+        with self._lock:
+            sys.stdout.write(redact(line) + "\n")
+            sys.stdout.flush()
+
+    def server_lost(self, exc: ServerLost) -> float:
+        """A rollout lost its server: seconds left before the run gives up on it (<= 0: it is gone).
+
+        One window for the whole run, from the first call that found the server gone to the first that finds it
+        back, so a dead server ends the run one window after it died, however many rollouts wait for it.
+        """
+        if exc.answered:  # it answered: up again, and only this rollout's session is gone
+            self.server_answered()
+            return self.retry_window_s
+        now = time.monotonic()
+        with self._lock:
+            first, self._outage_since = self._outage_since is None, self._outage_since or now
+            since, waiting = self._outage_since, len(self.live_sessions)
+        if first:
+            self._say(f"[harbor] the Harbor server at {self.harbor_url} is not answering ({exc}) with {waiting} "
+                      f"rollouts in flight: they start again in new sessions when it is back, if within "
+                      f"{self.retry_window_s:g}s (--harbor-retry-window)")
+        return since + self.retry_window_s - now
+
+    def server_answered(self) -> None:
+        with self._lock:
+            since, self._outage_since = self._outage_since, None
+        if since is not None:
+            self._say(f"[harbor] the Harbor server answers again after {time.monotonic() - since:.0f}s; rollouts it "
+                      "lost start again in new sessions")
+
     def record_outcome(self, session: HarborSession) -> None:
         failure, r = session.failure, session.result
         with self._lock:
             self._consecutive_failures = 0 if failure is None else self._consecutive_failures + 1
             count = self._consecutive_failures
         self._write_record(session)
+        retried = f", restarted {session.retries}x in a new session" if session.retries else ""
         if failure is None:
             phases = "".join(f", {name} {seconds:.1f}s" for name, seconds in r.phase_timings.items())
             stops = f", {r.budget_stop_count} budget stops" if r.budget_stop_count else ""
-            line = (f"[harbor] {session.label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
-                    f"{session.harness}{phases}{stops}")
-        else:
-            line = redact(f"[harbor] {session.label}: unscorable: {failure[:300]} (harness {session.harness})")
-        # One locked write per line: rollouts finish on several threads at once, and print() writes the text and its
-        # newline separately, so two lines ran into one (seen in a test run) and log parsers missed a rollout.
-        with self._lock:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+            self._say(f"[harbor] {session.label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
+                      f"{session.harness}{phases}{stops}{retried}")
+        elif failure.kind != SERVER_GONE:  # that one is the run's, said once by the stop below
+            self._say(f"[harbor] {session.label}: unscorable: {failure.message[:300]} (harness {session.harness}"
+                      f"{retried})")
+        if failure is not None and failure.kind == SERVER_GONE:
+            self._stop_run(failure.message)
         if failure is not None and count >= self.max_consecutive_failures:
-            raise ValueError(redact(
-                f"{ROLLOUTS_FAILING} {count} consecutive rollouts were unscorable; the last: {failure[:300]}"))
+            self._stop_run(f"{count} consecutive rollouts were unscorable; the last: {failure.message[:300]}")
+
+    def _stop_run(self, reason: str) -> None:
+        """Stop training, through the one channel TRL offers: a ValueError out of `fetch_training_trace()`.
+
+        TRL's rollout child prints that error's traceback three times on its way out; the trainer says why in one
+        line, so the child's stderr goes to `worker_log` from here on.
+        """
+        if self.worker_log:
+            sys.stderr.flush()
+            fd = os.open(self.worker_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 2)
+            os.close(fd)
+        raise ValueError(redact(f"{ROLLOUTS_FAILING} {reason}"))
 
     def _write_record(self, session: HarborSession) -> None:
         if not self.record_path:
@@ -705,7 +850,8 @@ class HarborSessionFactory(ResourceSessionFactory):
             "turns": r.n_turns if r is not None else 0, "wall_s": r.wall_s if r is not None else 0.0,
             "budget_stops": r.budget_stop_count if r is not None else 0,
             "phases": dict(r.phase_timings) if r is not None else {},
-            "error": failure_kind(failure), "failure": redact(failure[:300]) if failure else None,
+            "error": failure.kind if failure else None, "failure": redact(failure.message[:300]) if failure else None,
+            "started": session.started, "retries": session.retries,
         }
         with self._lock, open(self.record_path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -716,17 +862,6 @@ class RewardInputs:
 
     def __init__(self, env_reward: float | None, trace: list, tool_call_count: int):
         self.env_reward, self.trace, self.tool_call_count = env_reward, trace, tool_call_count
-
-
-def failure_kind(failure: str | None) -> str | None:
-    """A short, countable name for why a rollout was unscorable."""
-    if failure is None:
-        return None
-    for prefix, kind in (("harbor server call failed", "transport"), ("the engine returned no token ids", "eval_tier"),
-                         ("capture", "capture"), ("the verifier produced no reward", "no_reward")):
-        if failure.startswith(prefix):
-            return kind
-    return failure.split(":", 1)[0].strip() or "error"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1397,7 +1532,7 @@ def check_reward(args: argparse.Namespace, pf: Preflight, split: str, task: dict
     if not args.probe_rollout:
         pf.add("reward key", SKIP, f"{key!r}: not probed (`--check --probe-rollout` runs one rollout to confirm it)")
         return
-    client = HarborRolloutClient(args.harbor_url, (args.agent_timeout or 3600.0) + 1800.0)
+    client = HarborRolloutClient(args.harbor_url, rollout_budget_s(args.agent_timeout))
     t0 = time.monotonic()
     try:
         r = client.run_rollout(split=split, task_index=int(task["index"]), harness=args.harness, sandbox=args.sandbox,
@@ -1408,16 +1543,18 @@ def check_reward(args: argparse.Namespace, pf: Preflight, split: str, task: dict
         return
     finally:
         client.close()
-    emitted = ", ".join(sorted(r.rewards)) or "none"
+    failure = judge_rollout(r, task["task_name"], require_tokens=not args.measure, reward_key=args.reward_key)
     where = f"{task['task_name']} in {time.monotonic() - t0:.0f}s, {r.n_turns} turns"
-    if r.reward is None and r.rewards:
-        pf.add("reward key", FAIL, f"--reward-key {key!r} is not emitted by {task['task_name']}; it emits: {emitted}",
+    if failure is not None and failure.kind == "reward_key":
+        pf.add("reward key", FAIL, failure.message,
                "pass one of those to --reward-key (a comma-separated list is tried in order)")
-    elif not r.ok or r.reward is None:
-        pf.add("probe rollout", FAIL, f"{where}: {r.exception_type or 'error'}: {(r.error or 'no reward')[:300]}",
+        return
+    if r.reward is not None:
+        pf.add("reward key", PASS, f"{key!r} = {r.reward:g} ({', '.join(sorted(r.rewards)) or 'none'} emitted)")
+    if failure is not None:
+        pf.add("probe rollout", FAIL, f"{where}: {failure.message[:300]}",
                f"read the agent log tail: {r.agent_log_tail[-200:]!r}" if r.agent_log_tail else "")
     else:
-        pf.add("reward key", PASS, f"{key!r} = {r.reward:g} ({emitted} emitted)")
         pf.add("probe rollout", PASS if r.rollout_type == "train" else FAIL,
                f"{where}, {r.rollout_type} tier, {r.n_trainable_tokens} trainable tokens")
         if r.n_turns:
@@ -1663,7 +1800,7 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
     factory = HarborSessionFactory(
         harbor_url=args.harbor_url, harness=harness_names(args.harness)[0], sandbox=args.sandbox,
         reward_key=args.reward_key, agent_step_limit=args.agent_step_limit, agent_timeout_s=args.agent_timeout,
-        max_consecutive_failures=args.max_consecutive_failures,
+        max_consecutive_failures=args.max_consecutive_failures, retry_window_s=args.harbor_retry_window,
         sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
         # A token-capturing engine samples exactly as in training; any other (a hosted model) at the same temperature.
         eval_sampling=None if llm.get("capture_level") == "tokens" else {"temperature": args.temperature, "top_p": 1.0},
@@ -2149,15 +2286,10 @@ def stop_batch_on_preempt(batches, num_processes: int):
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
-def rollout_timeout_s(args: argparse.Namespace) -> int:
-    """The longest one rollout may take (TRL's request timeout): the agent's limit, plus sandbox start and verifier."""
-    return int(args.agent_timeout or 3600) + 1800
-
-
 def collective_timeout_s(args: argparse.Namespace) -> int:
     """Process-group timeout. Ranks >= 1 wait in a collective while rank 0 collects rollouts for a micro-batch: a
     whole group, whose rollouts may run one after another when sandboxes are scarce (NCCL's default is 10 min)."""
-    return args.num_generations * rollout_timeout_s(args)
+    return int(args.num_generations * rollout_budget_s(args.agent_timeout))
 
 
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]]):
@@ -2294,7 +2426,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         num_generations=args.num_generations, max_inflight_tasks=args.max_inflight,
         max_staleness=args.max_staleness, temperature=args.temperature,
         max_completion_length=args.max_completion_length, vllm_server_base_url=args.vllm_url,
-        request_timeout=rollout_timeout_s(args),
+        request_timeout=int(rollout_budget_s(args.agent_timeout)),
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     try:
@@ -2319,7 +2451,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             HarborSessionFactory, harbor_url=args.harbor_url, harness=harness_names(args.harness)[0],
             sandbox=args.sandbox, reward_key=args.reward_key, agent_step_limit=args.agent_step_limit,
             agent_timeout_s=args.agent_timeout, max_consecutive_failures=args.max_consecutive_failures,
-            record_path=records, reward_fn=reward_fn),
+            retry_window_s=args.harbor_retry_window, record_path=records, reward_fn=reward_fn,
+            worker_log=os.path.join(args.output_dir, WORKER_LOG)),
         rollout_reward_fn=reward_fn,
     )
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
@@ -2454,8 +2587,12 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
         cause = str(exc.__cause__ or exc)
         if ROLLOUTS_FAILING in cause:
             reason = cause.split(ROLLOUTS_FAILING, 1)[1].splitlines()[0].strip()
+            if server is not None and server.proc is not None and server.proc.poll() is not None:
+                reason += (f" (the Harbor server this script started exited with code {server.proc.returncode}; "
+                           f"its log: {server.log_path})")
             print(f"error: training stopped: {reason}. Fix the cause, then relaunch with --output-dir "
-                  f"{args.output_dir} --resume", file=sys.stderr)
+                  f"{args.output_dir} --resume (details: {os.path.join(args.output_dir, WORKER_LOG)})",
+                  file=sys.stderr)
             return 1
         raise
     if trainer.stop_agreed and trainer.state.global_step < args.max_steps:

@@ -156,7 +156,7 @@ def make_worker(rig: Rig, model_dir: Path, tasks: list, n: int):
         stop = script.stop_rollout_worker
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    request_timeout = int(AGENT_TIMEOUT) + 1800
+    request_timeout = int(script.rollout_budget_s(AGENT_TIMEOUT))
     return Worker(
         model_name=str(model_dir), dataset=Dataset.from_list(script.task_rows(tasks, rig.split)), reward_funcs=[],
         processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], num_generations=min(n, 2),

@@ -109,17 +109,28 @@ class Rig:
         if not harbor:
             self.harbor_url, self.split = "", str(RIG / "tasks")
             return
-        self.harbor = Service(
+        self.start_harbor()
+        self.split = get_json(f"{self.harbor_url}/harbor_env/splits")[0]["name"]
+
+    def start_harbor(self, successor: bool = False) -> Service:
+        """Start the Harbor server on the rig's port. successor: a new one that serves once the running one is
+        gone from the port, for a restart (`serve_when_port_free` in rig/harbor_server.py); not yet waited for."""
+        log = self.workdir / (f"harbor.{self.harbor.proc.pid}.log" if self.harbor else "harbor.log")
+        service = Service(
             "harbor server", [os.environ["AGH_SERVER_PYTHON"], str(RIG / "harbor_server.py"),
                               "--dataset", str(RIG / "tasks"), "--llm-url", f"{self.engine_url}/v1",
-                              "--host", "127.0.0.1", "--port", str(harbor_port), "--capture-port", str(free_port()),
-                              "--expose", "direct"],
-            workdir / "harbor.log", f"{self.harbor_url}/harbor_env/splits",
-            env={**SECRETS, "MAX_CONCURRENT_ENVS": str(max_concurrent_envs),
-                 "RIG_SANDBOX_DIR": str(workdir / "sandboxes"), "OPENENV_HARBOR_TRIALS_DIR": str(workdir / "trials")},
-            cwd=workdir)
-        self.harbor.wait_ready()
-        self.split = get_json(f"{self.harbor_url}/harbor_env/splits")[0]["name"]
+                              "--host", "127.0.0.1", "--port", self.harbor_url.rsplit(":", 1)[1],
+                              "--capture-port", str(free_port()), "--expose", "direct"],
+            log, f"{self.harbor_url}/harbor_env/splits",
+            env={**SECRETS, "MAX_CONCURRENT_ENVS": str(self.max_concurrent_envs),
+                 "RIG_SANDBOX_DIR": str(self.workdir / "sandboxes"),
+                 "OPENENV_HARBOR_TRIALS_DIR": str(self.workdir / "trials"),
+                 **({"RIG_SERVE_WHEN_PORT_FREE": "1"} if successor else {})},
+            cwd=self.workdir)
+        if not successor:
+            service.wait_ready()
+            self.harbor = service
+        return service
 
     def engine_stats(self) -> dict:
         return get_json(f"{self.engine_url}/stand_in/stats")

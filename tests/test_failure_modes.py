@@ -24,6 +24,10 @@ def test_all_failing_rollouts_stop_training_with_the_reason(rig, tmp_path):
     # Rollouts in flight when the sixth failed may be counted too.
     assert re.match(r"error: training stopped: ([6-9]|\d\d) consecutive rollouts were unscorable", last), last
     assert "sandbox backend unreachable" in last and "--resume" in last
+    # One line on the console; TRL's rollout child's tracebacks go to a log file.
+    console = proc.stdout + proc.stderr
+    assert [line for line in console.splitlines() if line.startswith("error:")] == [last]
+    assert "Traceback" not in console and "Traceback" in (tmp_path / "out" / "rollout_worker.log").read_text()
     assert all(reward is None for _, _, reward in rollouts(proc.stdout))
     assert_all_slots_free(rig)
 
@@ -117,3 +121,86 @@ def test_a_task_that_never_scores_does_not_pin_the_resume_position(rig, tmp_path
     assert broken and all(r is None for r in broken)
     state = json.loads((out / "checkpoint-2" / "rollout_state.json").read_text())
     assert state["prompt_index"] >= 2 and 0 not in state["pending"], state
+
+
+# Short, so the dead-server half of the test is short; the rig's restart takes ~3 s on a loaded 2-core machine.
+RETRY_WINDOW = 30
+
+
+def test_a_harbor_server_restart_loses_no_rollout_and_a_dead_one_ends_the_run_in_one_line(make_rig, tmp_path):
+    # One run meets both: the Harbor server killed with rollouts in flight and restarted (each of them starts again
+    # in a new session, training goes on), then killed for good (one retry window, then one line). Default
+    # --max-consecutive-failures throughout: a restart must not count against it.
+    from test_preemption import agh
+    from transformers import AutoModelForCausalLM
+
+    rig = make_rig()
+    successor = rig.start_harbor(successor=True)  # imports now, serves once the first server is gone from the port
+    out = tmp_path / "out"
+    args = train_args(rig, out, "--max-steps", "50", "--save-steps", "1", "--harbor-retry-window", str(RETRY_WINDOW))
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=script_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
+    reader.start()
+
+    def wait_for(condition, what: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert proc.poll() is None and time.monotonic() < deadline, f"{what}:\n{''.join(lines)[-5000:]}"
+            time.sleep(0.5)
+
+    def records() -> list[dict]:
+        return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+
+    def in_flight_at(t: float) -> list[dict]:
+        return [r for r in records() if r["started"] < t < r["time"]]
+
+    def steps_saved() -> int:
+        return max((int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")), default=0)
+
+    def kill_server() -> None:
+        os.killpg(rig.harbor.proc.pid, signal.SIGKILL)  # a crash: no session closed, no reply sent
+        rig.harbor.proc.wait()
+
+    try:
+        wait_for(lambda: rollouts("".join(lines)), "no rollout finished")  # the next ones are in flight
+        wait_for(lambda: "rig: imported" in successor.log.read_text(), "the successor server did not get ready")
+        t_kill = time.time()
+        kill_server()
+        rig.harbor = successor
+        successor.wait_ready()
+        wait_for(lambda: "rollouts in flight:" in "".join(lines), "the lost server went unnoticed")
+        in_flight = int(re.search(r"is not answering \(.*\) with (\d+) rollouts in flight", "".join(lines))[1])
+        wait_for(lambda: len(in_flight_at(t_kill)) >= in_flight and steps_saved() >= 1,
+                 "rollouts lost with the server did not finish, or training did not go on")
+        # Every rollout in flight at the kill started again in a new session, once, and was scored; none failed.
+        lost = in_flight_at(t_kill)
+        assert in_flight >= 1 and all(r["retries"] == 1 for r in lost), lost
+        assert all(r["error"] is None for r in records()), records()
+        assert "[harbor] the Harbor server answers again after" in "".join(lines)
+
+        t_gone, saved = time.monotonic(), steps_saved()
+        kill_server()
+        code = proc.wait(timeout=RETRY_WINDOW + 300)
+        gone_s = time.monotonic() - t_gone
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        successor.stop()
+    console = "".join(lines)
+    print(f"{console[-20000:]}\ndead server -> exit: {gone_s:.1f}s (retry window {RETRY_WINDOW}s)")
+    assert code == 1
+    errors = [line for line in console.splitlines() if line.startswith("error:")]
+    assert errors == console.strip().splitlines()[-1:], errors
+    assert re.match(rf"error: training stopped: the Harbor server at {re.escape(rig.harbor_url)} has not answered for "
+                    rf"{RETRY_WINDOW}s \(last: .*\)\. Fix the cause, then relaunch with --output-dir .* --resume",
+                    errors[0]), errors[0]
+    # Decided once for the run, after the whole window: not per rollout, --max-consecutive-failures (32) rollouts
+    # over. The margin is the trainer noticing (it may be mid-step) and the rollout child's exit, on a loaded machine.
+    assert RETRY_WINDOW <= gone_s < RETRY_WINDOW + 90
+    assert "Traceback" not in console and "Traceback" in (out / "rollout_worker.log").read_text()
+    last = out / f"checkpoint-{max(saved, steps_saved())}"
+    assert agh.checkpoint_problem(last) is None
+    assert AutoModelForCausalLM.from_pretrained(last).num_parameters() > 0

@@ -3,7 +3,8 @@
     /tmp/v312/bin/python tests/rig/harbor_server.py --dataset tests/rig/tasks \
         --llm-url http://127.0.0.1:8001 --host 127.0.0.1 --port 8000 --capture-port 8100 --expose direct
 
-Every argument goes to `openenv harbor serve` unchanged; this file only adds two things first.
+Every argument goes to `openenv harbor serve` unchanged; this file only adds a few things first (and, for restart
+tests, can wait for the port: `serve_when_port_free`).
 
 1. `sandbox="local"` (and `local-down`, the same with its backend down). Harbor's `EnvironmentConfig.type` is a closed enum, but it takes any
    environment by `import_path`, and OpenEnv already uses exactly that escape hatch for its E2B
@@ -102,12 +103,40 @@ def register_twin_harness() -> None:
                                         import_path="harbor.agents.installed.mini_swe_agent:MiniSweAgent")
 
 
+def serve_when_port_free() -> None:
+    """RIG_SERVE_WHEN_PORT_FREE=1: a successor for a restart test. It imports what a start spends most of its time on
+    now, then waits until the server it replaces is gone from the port, so the restart takes seconds on a loaded
+    machine instead of the better part of a minute."""
+    import importlib
+    import socket
+    import time
+
+    from openenv.harbor import capabilities
+
+    capabilities.capabilities()  # imports every sandbox backend's SDK: most of a start
+    for module in ("uvicorn", "gradio", "openenv.harbor.serving", "openenv.harbor.environment", "openenv.harbor.ui",
+                   "openenv.core.env_server.web_interface", "openenv.core.harness.capture.forwarding"):
+        importlib.import_module(module)
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    print(f"rig: imported; waiting for port {port} to be free", flush=True)
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
 def main() -> None:
     # Offline machine: otherwise Harbor's litellm import spends ~7 s retrying GitHub for a cost map.
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     register_local_sandbox()
     skip_preinstalled_agent_install()
     register_twin_harness()
+    if os.environ.get("RIG_SERVE_WHEN_PORT_FREE"):
+        serve_when_port_free()
     from openenv.cli.__main__ import main as openenv_main
 
     sys.argv = ["openenv", "harbor", "serve", *sys.argv[1:]]
