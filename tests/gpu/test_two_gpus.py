@@ -132,7 +132,7 @@ def test_check_passes_every_engine_row(stack):
 
 
 def test_trains_three_steps_with_nccl_pushes_into_vllm(stack):
-    work, model, vllm_url = stack["work"], stack["model"], stack["vllm_url"]
+    work, vllm_url = stack["work"], stack["vllm_url"]
     out = work / "train"
     served = get_json(f"{vllm_url}/v1/models")["data"][0]["id"]
     ids_before, lp_before = engine_logprobs(vllm_url, served)
