@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import RIG, ROOT, SCRIPT, Service, free_port, get_json, post_json
+from conftest import RIG, SCRIPT, Service, free_port, get_json, post_json
 
 torch = pytest.importorskip("torch")
 if torch.cuda.device_count() < 2:
