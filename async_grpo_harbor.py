@@ -1594,6 +1594,17 @@ def harbor_rollout_loop() -> type:
                     "--curate) and train on the curated list, or raise --max-zero-variance-groups")
             return []
 
+        async def _run_loops(self, stop_event) -> None:
+            try:
+                await super()._run_loops(stop_event)
+            except ValueError as exc:
+                if not str(exc).startswith((ROLLOUTS_FAILING, NO_SIGNAL)):
+                    raise
+                # A stop this script decided, its reason written for the user: sent through TRL's failure channel
+                # (the trainer raises it from check_health) without the three tracebacks TRL's child prints for a crash.
+                self._exception_info_queue.put_nowait((type(exc).__name__, str(exc), ""))
+                self._failed_event.set()
+
     HarborRolloutLoop.__qualname__ = "HarborRolloutLoop"
     globals()["HarborRolloutLoop"] = HarborRolloutLoop
     return HarborRolloutLoop
