@@ -1789,10 +1789,9 @@ class RolloutAccounting:
         t = self.totals
         signal = (f", {t['informative_tokens'] / t['trained_tokens']:.0%} with a non-zero advantage"
                   if t["trained_tokens"] else "")
-        kept_out = "kept out" if self.keep_out else "trained, with zero advantages"
         print(f"[harbor] rollouts: {t['produced']} finished; {t['trained']} reached the loss "
               f"({len(self.trained_groups)} groups, {t['trained_tokens']} tokens{signal}); not trained: "
-              f"{t['unscorable']} unscorable, {t['zero_variance']} in zero-variance groups ({kept_out}), "
+              f"{t['unscorable']} unscorable, {t['zero_variance']} in zero-variance groups (kept out), "
               f"{self._not_trained_other()} dropped as stale or left at the stop ({t['stale_samples']} stale samples, "
               f"{queued_samples} samples still queued, {len(self.collated)} micro-batches collated but not trained)",
               flush=True)
