@@ -2,15 +2,15 @@
 behaviour) and kept out (the script's default).
 
 On the CPU rig (the stand-in engine's scripted policy solves echo-hello always, never never, coin and coin2 half the
-time), train the same short run twice on one rig, `--max-zero-variance-groups 0` (off) and the default (on), and read
-each optimizer step's `harbor/trained/tokens` (loss tokens, TRL's own count) and
+time), train the same short run twice, side by side on one rig, `--max-zero-variance-groups 0` (off) and the default
+(on), and read each optimizer step's `harbor/trained/tokens` (loss tokens, TRL's own count) and
 `harbor/trained/informative_token_frac` (the share of them with a non-zero advantage). A zero-variance group's tokens
 carry advantage 0 but still count in the loss's token mean, so with the filter off the informative share is about
 the share of tokens from mixed groups (with G=4: coin and coin2 mix 7 groups in 8, the others never: ~0.44), and it
 moves from step to step with whichever groups happen to fill it. With the filter on it should be 1.0 every step.
 
     AGH_SERVER_PYTHON=$(ls -d ~/.cache/async_grpo_harbor/server-*)/bin/python \\
-        $(ls -d ~/.cache/async_grpo_harbor/trainer-*)/bin/python bench/signal.py [--steps 4]
+        $(ls -d ~/.cache/async_grpo_harbor/trainer-*)/bin/python bench/informative_tokens.py [--steps 3]
 
 (the two environments `bash tests/run.sh` builds). The last line printed is
 `signal: informative_token_frac_off=<x> informative_token_frac_on=<y>`.
@@ -49,7 +49,7 @@ def measure(out: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per training run")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per training run")
     args = parser.parse_args()
     if not os.environ.get("AGH_SERVER_PYTHON"):
         print("error: set AGH_SERVER_PYTHON to the Harbor server environment's python (see this file's docstring)",
@@ -59,22 +59,34 @@ def main() -> int:
     model = cache / f"tiny-qwen3-{hashlib.sha256((RIG / 'tiny_model.py').read_bytes()).hexdigest()[:16]}"
     subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(model)], check=True)
     work = Path(tempfile.mkdtemp(prefix="signal-bench-"))
-    rig = Rig(work / "rig", model, [])
-    results = {}
+    # Room for both runs' rollouts and their preflights' capacity probes at once.
+    rig = Rig(work / "rig", model, [], max_concurrent_envs=12)
+    runs, results = {}, {}
     try:
-        for name in ("off", "on"):
-            out = work / name
-            argv = train_args(rig, out, "--max-steps", str(args.steps), "--save-steps", str(args.steps), "--run-name",
-                              f"signal-{name}")  # zero-variance groups trained: off
-            t0 = time.monotonic()
-            proc = subprocess.run([sys.executable, str(SCRIPT), *(argv if name == "off" else default_filter(argv))],
-                                  cwd=work, env=script_env(), text=True, capture_output=True, timeout=1800)
-            if proc.returncode != 0:
-                print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
-                print(f"error: the run with the filter {name} failed (exit {proc.returncode})", file=sys.stderr)
-                return 1
-            results[name] = measure(out) | {"wall_s": round(time.monotonic() - t0)}
+        t0 = time.monotonic()
+        for name in ("off", "on"):  # side by side, so both meet the same machine load
+            # A rollout is ~5 s on an idle rig; the long agent timeout keeps a loaded machine from failing them.
+            argv = train_args(rig, work / name, "--max-steps", str(args.steps), "--save-steps", str(args.steps),
+                              "--run-name", f"signal-{name}", "--agent-timeout", "600")  # zero-variance trained: off
+            log = (work / f"{name}.log").open("w")
+            runs[name] = subprocess.Popen([sys.executable, str(SCRIPT), *(argv if name == "off" else
+                                                                          default_filter(argv))],
+                                          cwd=work, env=script_env(), text=True, stdout=log, stderr=subprocess.STDOUT)
+        while len(results) < len(runs):
+            for name, proc in runs.items():
+                if name in results or proc.poll() is None:
+                    continue
+                if proc.returncode != 0:
+                    print((work / f"{name}.log").read_text()[-3000:], file=sys.stderr)
+                    print(f"error: the run with the filter {name} failed (exit {proc.returncode})", file=sys.stderr)
+                    return 1
+                results[name] = measure(work / name) | {"wall_s": round(time.monotonic() - t0)}
+            time.sleep(1)
+        results = {name: results[name] for name in runs}
     finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
         rig.stop()
     print(f"\ntasks {TASKS}, G=4, {args.steps} optimizer steps per run")
     print("| zero-variance groups | steps | loss tokens | informative token frac | per step | min | max | stdev "
