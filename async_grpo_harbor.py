@@ -45,6 +45,7 @@ Run it (see README.md for the full walk-through):
 from __future__ import annotations
 
 import argparse
+import collections
 import difflib
 import functools
 import http.client
@@ -81,6 +82,8 @@ DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
 # Prefix of the error the rollout child raises to stop training; train() finds it in TRL's wrapped exception.
 ROLLOUTS_FAILING = "harbor rollouts failing:"
+# The same, for a long run of groups whose rewards were all equal (nothing left to learn from).
+NO_SIGNAL = "harbor groups carry no signal:"
 # In the output dir: TRL's rollout child's tracebacks, once the script stopped the run (the console gets one line).
 WORKER_LOG = "rollout_worker.log"
 # EX_TEMPFAIL: "stopped on request, a checkpoint holds everything; relaunch me". SLURM wrappers requeue on it.
@@ -180,8 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-steps", type=int, default=500,
                    help="Optimizer steps to train; the run's only stop condition (tasks are cycled).")
     g.add_argument("--efficiency-weight", type=float, default=0.1,
-                   help="Bonus for solving with fewer agent turns, as a fraction of the task reward (0 disables). "
-                        "Only solved rollouts get it, so it never rewards giving up early.")
+                   help="Bonus for solving with fewer agent turns, in [0, 1): it only orders solved rollouts of equal "
+                        "correctness, in groups that mix correctness levels, and moves an advantage by at most this "
+                        "fraction of one correctness step (README: Reward). 0 disables it.")
+    g.add_argument("--max-zero-variance-groups", type=int, default=100,
+                   help="Groups whose shaped rewards are all exactly equal have every advantage 0: they are kept out "
+                        "of training (and counted, harbor/zero_variance_*). After this many such groups in a row "
+                        "(no group with any reward variance: tasks too hard or too easy) training stops with an "
+                        "error instead of waiting for samples. 0: train on them, as TRL does, and never stop.")
     g.add_argument("--max-consecutive-failures", type=int, default=32,
                    help="Stop training after this many unscorable rollouts in a row (sandbox down, bad credentials, "
                         "agent crash), instead of waiting forever for samples.")
@@ -256,8 +265,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.temperature > 0:
         raise UsageError(f"--temperature must be > 0 (got {args.temperature}): the proxy enforces a "
                          "full-vocabulary sampling policy")
-    if min(args.max_staleness, args.agent_timeout, args.efficiency_weight, args.harbor_retry_window) < 0:
-        raise UsageError("--max-staleness, --agent-timeout, --efficiency-weight and --harbor-retry-window must be >= 0")
+    if min(args.max_staleness, args.agent_timeout, args.harbor_retry_window, args.max_zero_variance_groups) < 0:
+        raise UsageError("--max-staleness, --agent-timeout, --harbor-retry-window and --max-zero-variance-groups must "
+                         "be >= 0")
+    if not 0 <= args.efficiency_weight < 1:
+        raise UsageError(f"--efficiency-weight must be in [0, 1) (got {args.efficiency_weight}): at 1 the bonus would "
+                         "reach the next correctness level")
     args.vllm_url = args.vllm_url.rstrip("/").removesuffix("/v1")
     args.harbor_url = args.harbor_url.rstrip("/")
     if args.probe_rollout and not args.check:
@@ -607,7 +620,7 @@ class HarborSession(ResourceSession):
         self.harness = prompt[0].get("harbor_harness") or factory.harness
         self.group = group
         self.label = f"group {group} task {self._task_index} ({self.task_name})"
-        self.train_reward: float | None = None
+        self.score: RolloutScore | None = None
         self._client = HarborRolloutClient(factory.harbor_url, factory.request_timeout_s)
         self.result: HarborRolloutResult | None = None
         self.failure: Failure | None = None
@@ -687,8 +700,8 @@ class HarborSession(ResourceSession):
                 self.failure = Failure("capture", f"capture rejected: {exc}")
             else:
                 if self._factory.reward_fn is not None:
-                    # What TRL's rollout reward will be, so the group accounting sees the rewards it trains on.
-                    self.train_reward = self._factory.reward_fn(
+                    # What TRL's rollout reward will be, so the group accounting shapes the rewards it trains on.
+                    self.score = self._factory.reward_fn(
                         RewardInputs(env_reward=self.result.reward, trace=trace.turns, tool_call_count=0))
         self._factory.record_outcome(self)
         return TrainingTrace(turns=[]) if self.failure is not None else trace
@@ -846,7 +859,7 @@ class HarborSessionFactory(ResourceSessionFactory):
             "time": time.time(), "group": session.group, "task": session.task_name,
             "index": session._task_index, "harness": session.harness, "sandbox": self.sandbox,
             "reward": r.reward if r is not None and failure is None else None,
-            "train_reward": session.train_reward if failure is None else None,
+            "efficiency": session.score.efficiency if failure is None and session.score else None,
             "turns": r.n_turns if r is not None else 0, "wall_s": r.wall_s if r is not None else 0.0,
             "budget_stops": r.budget_stop_count if r is not None else 0,
             "phases": dict(r.phase_timings) if r is not None else {},
@@ -867,21 +880,44 @@ class RewardInputs:
 # ----------------------------------------------------------------------------------------------------------------------
 # Reward
 # ----------------------------------------------------------------------------------------------------------------------
-def harbor_reward(outcome: Any, *, step_limit: int, efficiency_weight: float) -> float | None:
-    """The verifier's reward, plus a bonus for solving in fewer agent turns.
+class RolloutScore(NamedTuple):
+    """What one rollout brings to its group's rewards: how correct it was, and how few turns it took."""
 
-    reward = r + w * r * (1 - turns / step_limit)   when r > 0, else r
-    r is Harbor's verifier reward; w is --efficiency-weight. The bonus lies in [0, w * r]: it never turns a failure
-    into a success, never pays for giving up early (unsolved rollouts get none), and cannot exceed a fraction w of
-    the task reward. `None` (the rollout could not be scored) stays `None`, so it is left out of the group baseline.
-    """
+    correctness: float  # the verifier's reward
+    efficiency: float  # 1 - turns / --agent-step-limit, in [0, 1]
+
+
+def harbor_reward(outcome: Any, *, step_limit: int) -> RolloutScore | None:
+    """TRL's per-rollout reward hook: the rollout's score, or None when it could not be scored (left out of the group
+    baseline). The reward TRL trains on needs the whole group; `shape_group_rewards` makes it."""
     r = outcome.env_reward
     if r is None:
         return None
-    if r <= 0:
-        return float(r)
     turns = len(outcome.trace) or outcome.tool_call_count
-    return float(r + efficiency_weight * r * max(0.0, 1.0 - turns / step_limit))
+    return RolloutScore(float(r), max(0.0, 1.0 - turns / step_limit))
+
+
+def shape_group_rewards(scores: list[RolloutScore | None], efficiency_weight: float) -> list[float | None]:
+    """One group's rewards: correctness, plus an efficiency bonus that can only order rollouts of equal correctness.
+
+    TRL normalises every group, A = (reward - mean) / (std + 1e-8), which erases any scale: in a group whose rollouts
+    all solve, a bonus of 1.05 vs 1.07 would come out as advantages of about +-1, as large as a pass/fail split. So
+    the bonus exists only in groups that mix correctness levels, and is sized by the group's smallest step between
+    two levels (`gap`): reward = c + w * gap * efficiency for solved rollouts (c > 0), c otherwise. With w < 1 no
+    bonus reaches the next level, and, since one std divides the whole group, efficiency moves an advantage by at
+    most w times what one correctness step moves it. Unsolved rollouts get no bonus: giving up early never pays.
+    A group of one correctness level gets its plain rewards, all equal: zero variance, kept out of training.
+    """
+    levels = sorted({s.correctness for s in scores if s is not None})
+    gap = min((b - a for a, b in zip(levels, levels[1:])), default=0.0)
+    return [None if s is None else s.correctness + (efficiency_weight * gap * s.efficiency if s.correctness > 0 else 0)
+            for s in scores]
+
+
+def zero_variance(rewards: list[float | None]) -> bool:
+    """All scorable rewards of a group exactly equal: TRL gives every one of them advantage 0, so it teaches nothing.
+    Exact equality on purpose: any difference, however small, is scaled up to unit variance by the normalisation."""
+    return len({r for r in rewards if r is not None}) <= 1
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1982,24 +2018,116 @@ def run_measure(args: argparse.Namespace, plan: dict[str, Any]) -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 # Trainer
 # ----------------------------------------------------------------------------------------------------------------------
-class RolloutAccounting:
-    """Where a run's time and signal go, per optimizer step: read from the rollout records the factory writes.
+def harbor_rollout_loop() -> type:
+    """TRL's loop-owning harness loop (it runs in TRL's rollout child), scoring each group the way this script trains.
 
-    The factory runs in TRL's rollout child, whose only metrics channel takes a fixed set of keys; it appends one JSON
-    line per finished rollout instead, and the trainer folds the lines that arrived since the previous step into its
-    log (trainer_state.json, trackio) and one console line. A group counts once all its generations have finished;
-    it has zero variance when its scorable rewards (the shaped ones TRL trains on) are all equal, so its advantages
-    are all 0 and it teaches nothing. Counts start at this launch.
+    `_score_group` is where TRL turns a finished group into samples: the group's rewards are shaped first
+    (`shape_group_rewards`), TRL's own code normalises them into advantages, and a group with zero variance is kept
+    out of the trainer's queue unless --max-zero-variance-groups is 0. A run of such groups stops the worker with
+    NO_SIGNAL, which the trainer reports as one line. Built on first use, so that only training imports trl; the
+    module's `__getattr__` serves it to TRL's child, which unpickles it by name.
+    """
+    if "HarborRolloutLoop" in globals():
+        return globals()["HarborRolloutLoop"]
+    from trl.experimental.async_grpo.openenv_harness import _HarnessRolloutLoop
+
+    class HarborRolloutLoop(_HarnessRolloutLoop):
+        def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, **loop_kwargs: Any):
+            super().__init__(**loop_kwargs)
+            self.efficiency_weight = efficiency_weight
+            self.max_zero_variance_groups = max_zero_variance_groups
+            self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
+
+        async def _score_group(self, group):
+            group.rollout_rewards = shape_group_rewards(group.rollout_rewards, self.efficiency_weight)
+            samples = await super()._score_group(group)
+            rewards = [r for r in group.rollout_rewards if r is not None]
+            if not rewards:
+                return samples  # none scorable, so no samples: --max-consecutive-failures watches these
+            if not zero_variance(rewards):
+                self.flat_run = []
+                return samples
+            if not self.max_zero_variance_groups:
+                return samples
+            self.flat_run.append(rewards[0] > 0)
+            if len(self.flat_run) >= self.max_zero_variance_groups:
+                solved = sum(self.flat_run)
+                raise ValueError(
+                    f"{NO_SIGNAL} the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} "
+                    f"solved by every rollout, {len(self.flat_run) - solved} by none), so no advantage was left to "
+                    "learn from: the tasks are too hard or too easy for the model. Measure pass rates (--eval-only "
+                    "--curate) and train on the curated list, or raise --max-zero-variance-groups")
+            return []
+
+        async def _run_loops(self, stop_event) -> None:
+            try:
+                await super()._run_loops(stop_event)
+            except ValueError as exc:
+                if not str(exc).startswith((ROLLOUTS_FAILING, NO_SIGNAL)):
+                    raise
+                # A stop this script decided, its reason written for the user: sent through TRL's failure channel
+                # (the trainer raises it from check_health) without the three tracebacks TRL's child prints for a crash.
+                self._exception_info_queue.put_nowait((type(exc).__name__, str(exc), ""))
+                self._failed_event.set()
+
+    HarborRolloutLoop.__qualname__ = "HarborRolloutLoop"
+    globals()["HarborRolloutLoop"] = HarborRolloutLoop
+    return HarborRolloutLoop
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HarborRolloutLoop":
+        return harbor_rollout_loop()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class RolloutAccounting:
+    """Where a run's rollouts, time and signal go, per optimizer step, and in one line at the end.
+
+    Produced: the factory runs in TRL's rollout child, whose only metrics channel takes a fixed set of keys; it appends
+    one JSON line per finished rollout instead, and the trainer folds the lines that arrived since the previous step
+    into its log (trainer_state.json, trackio) and one console line. A group counts once all its generations have
+    finished; it has zero variance when its shaped rewards (`shape_group_rewards`, as the child shapes them) are all
+    equal, so its advantages are all 0.
+
+    Trained: what reached the loss, seen on the trainer. The collator is the one place that sees a whole micro-batch
+    (every rank's row, each loss token's advantage, each sample's group), and a micro-batch counts once a training
+    step takes it: accelerate collates one ahead, which a stop leaves untrained. A group's rollouts count as trained
+    when any of its samples reached the loss. Produced but not trained: unscorable rollouts, zero-variance groups
+    kept out, and the rest (groups TRL dropped as stale, or still queued, batched or unfinished at the stop; TRL's
+    stale-sample count and the samples left in the queue say which). Counts start at this launch.
     """
 
-    def __init__(self, path: str, num_generations: int, harnesses: list[str]):
+    def __init__(self, path: str, num_generations: int, harnesses: list[str], efficiency_weight: float,
+                 keep_out_zero_variance: bool):
         self.path, self.num_generations, self.harnesses = Path(path), num_generations, harnesses
+        self.efficiency_weight, self.keep_out = efficiency_weight, keep_out_zero_variance
         self.offset = self.path.stat().st_size if self.path.is_file() else 0
         self.pending: dict[Any, list[dict[str, Any]]] = {}
         self.groups_total = self.zero_total = 0
         self.by_harness: dict[str, list[int]] = {h: [0, 0] for h in harnesses}  # [groups, zero-variance groups]
         self.unscorable_groups: set[int] = set()  # groups whose every rollout failed (a resume need not rerun them)
         self.last = time.monotonic()
+        self.scorable: dict[Any, int] = {}  # group -> its scorable rollouts, for groups that may still be trained
+        self.trained_groups: set[Any] = set()
+        self.collated: collections.deque = collections.deque()  # (samples per group, loss tokens, informative ones)
+        self.step_batches: list[tuple[collections.Counter, int, int]] = []
+        self.totals = collections.Counter()
+
+    def collate_with(self, collate: Any) -> Any:
+        def counted(examples):
+            batch = collate(examples)
+            (rows,) = examples
+            in_loss = batch["token_index"] >= 0
+            groups = collections.Counter(sample["group_id"] for row in rows for sample in row.samples)
+            self.collated.append((groups, int(in_loss.sum()), int((in_loss & (batch["advantages"] != 0)).sum())))
+            return batch
+
+        return counted
+
+    def take_microbatch(self) -> None:
+        if self.collated:
+            self.step_batches.append(self.collated.popleft())
 
     def _new_records(self) -> list[dict[str, Any]]:
         if not self.path.is_file():
@@ -2011,10 +2139,7 @@ class RolloutAccounting:
         self.offset += len(complete)
         return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
-    def step(self, step: int) -> dict[str, float]:
-        records = self._new_records()
-        now, elapsed = time.monotonic(), time.monotonic() - self.last
-        self.last = now
+    def _fold_records(self, records: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:
         scored_groups, zero_groups = [], []
         for record in records:
             members = self.pending.setdefault(record["group"], [])
@@ -2022,32 +2147,70 @@ class RolloutAccounting:
             if len(members) < self.num_generations:
                 continue
             del self.pending[record["group"]]
-            rewards = {m["train_reward"] if m["train_reward"] is not None else m["reward"]
-                       for m in members if m["error"] is None}
-            if not rewards:
+            scores = [RolloutScore(m["reward"], m["efficiency"] or 0.0) if m["error"] is None else None
+                      for m in members]
+            rewards = shape_group_rewards(scores, self.efficiency_weight)
+            scorable = sum(r is not None for r in rewards)
+            if not scorable:
                 self.unscorable_groups.add(record["group"])
                 continue  # no sample at all: counted as errors, not as a group that trained on nothing
             scored_groups.append(record["group"])
-            zero = len(rewards) == 1
+            zero = zero_variance(rewards)
             zero_groups += [record["group"]] if zero else []
+            if zero and self.keep_out:
+                self.totals["zero_variance"] += scorable
+            else:
+                self.scorable[record["group"]] = scorable
             counts = self.by_harness.setdefault(record["harness"], [0, 0])
             counts[0] += 1
             counts[1] += zero
         self.groups_total += len(scored_groups)
         self.zero_total += len(zero_groups)
+        return scored_groups, zero_groups
+
+    def _fold_trained(self) -> tuple[list[Any], int, int, int, int]:
+        batches, self.step_batches = self.step_batches, []
+        new = sorted({g for groups, _, _ in batches for g in groups} - self.trained_groups)
+        self.trained_groups.update(new)
+        rollouts = sum(self.scorable.pop(g, 0) for g in new)
+        samples = sum(sum(groups.values()) for groups, _, _ in batches)
+        tokens, informative = sum(b[1] for b in batches), sum(b[2] for b in batches)
+        self.totals.update(trained=rollouts, trained_tokens=tokens, informative_tokens=informative)
+        return new, rollouts, samples, tokens, informative
+
+    def _not_trained_other(self) -> int:
+        t = self.totals
+        return t["produced"] - t["unscorable"] - t["zero_variance"] - t["trained"]
+
+    def step(self, step: int, stale_samples: int = 0) -> dict[str, float]:
+        records = self._new_records()
+        now, elapsed = time.monotonic(), time.monotonic() - self.last
+        self.last = now
+        scored_groups, zero_groups = self._fold_records(records)
+        trained, trained_rollouts, samples, tokens, informative = self._fold_trained()
 
         ok = [r for r in records if r["error"] is None]
         errors: dict[str, int] = {}
         for r in records:
             if r["error"] is not None:
                 errors[r["error"]] = errors.get(r["error"], 0) + 1
+        self.totals.update(produced=len(records), unscorable=len(records) - len(ok), stale_samples=stale_samples)
         metrics = {"harbor/rollouts": float(len(records)), "harbor/rollouts_per_min": len(records) / elapsed * 60,
                    "harbor/sandbox_s_per_step": sum(r["wall_s"] for r in records),
                    "harbor/errors": float(sum(errors.values())),
                    "harbor/budget_stops": float(sum(r["budget_stops"] for r in records)),
                    "harbor/groups": float(len(scored_groups)), "harbor/groups_total": float(self.groups_total),
-                   "harbor/zero_variance_groups_total": float(self.zero_total)}
+                   "harbor/zero_variance_groups_total": float(self.zero_total),
+                   "harbor/trained/groups": float(len(trained)), "harbor/trained/rollouts": float(trained_rollouts),
+                   "harbor/trained/samples": float(samples), "harbor/trained/tokens": float(tokens),
+                   "harbor/rollouts_total": float(self.totals["produced"]),
+                   "harbor/trained/rollouts_total": float(self.totals["trained"]),
+                   "harbor/not_trained/unscorable_total": float(self.totals["unscorable"]),
+                   "harbor/not_trained/zero_variance_total": float(self.totals["zero_variance"]),
+                   "harbor/not_trained/stale_or_pending_total": float(self._not_trained_other())}
         metrics |= {f"harbor/errors/{kind}": float(n) for kind, n in errors.items()}
+        if tokens:
+            metrics["harbor/trained/informative_token_frac"] = informative / tokens
         if scored_groups:
             metrics["harbor/zero_variance_frac"] = len(zero_groups) / len(scored_groups)
         if self.groups_total:
@@ -2074,13 +2237,31 @@ class RolloutAccounting:
 
         share = f"{len(zero_groups) / len(scored_groups):.0%}" if scored_groups else "-"
         total = f"{self.zero_total / self.groups_total:.0%}" if self.groups_total else "-"
+        signal = f", {informative / tokens:.0%} with a non-zero advantage" if tokens else ""
         print(f"[harbor] step {step}: {len(scored_groups)} groups scored "
               f"({','.join(map(str, scored_groups)) or '-'}), {len(zero_groups)} zero-variance "
               f"({','.join(map(str, zero_groups)) or '-'}) = {share}; cumulative {self.zero_total}/{self.groups_total} "
               f"= {total}; {len(records)} rollouts ({metrics['harbor/rollouts_per_min']:.1f}/min), sandbox "
               f"{metrics['harbor/sandbox_s_per_step']:.0f}s, errors {sum(errors.values())}"
-              + "".join(f" {kind}={n}" for kind, n in errors.items()), flush=True)
+              + "".join(f" {kind}={n}" for kind, n in errors.items())
+              + f"; trained {len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, "
+              f"{tokens} tokens{signal}", flush=True)
         return metrics
+
+    def finish(self, queued_samples: int) -> None:
+        """The run's totals, once TRL's rollout child has stopped: produced, trained, and why the rest was not."""
+        records = self._new_records()
+        self._fold_records(records)
+        self.totals.update(produced=len(records), unscorable=sum(r["error"] is not None for r in records))
+        t = self.totals
+        signal = (f", {t['informative_tokens'] / t['trained_tokens']:.0%} with a non-zero advantage"
+                  if t["trained_tokens"] else "")
+        print(f"[harbor] rollouts: {t['produced']} finished; {t['trained']} reached the loss "
+              f"({len(self.trained_groups)} groups, {t['trained_tokens']} tokens{signal}); not trained: "
+              f"{t['unscorable']} unscorable, {t['zero_variance']} in zero-variance groups (kept out), "
+              f"{self._not_trained_other()} dropped as stale or left at the stop ({t['stale_samples']} stale samples, "
+              f"{queued_samples} samples still queued, {len(self.collated)} micro-batches collated but not trained)",
+              flush=True)
 
 
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
@@ -2104,6 +2285,7 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
             try:
                 while True:
                     q.get_nowait()
+                    worker.samples_left_at_stop += q is worker.rollout_buffer  # produced, never trained
             except (queue.Empty, OSError, EOFError, ValueError):
                 pass
         proc.join(timeout=0.05)
@@ -2300,7 +2482,9 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
     class HarborRolloutWorker(HarnessRolloutWorker):
+        _loop_cls = harbor_rollout_loop()
         stop = stop_rollout_worker
+        samples_left_at_stop = 0
 
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
@@ -2345,11 +2529,13 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
 
         def get_train_dataloader(self):
             loader = super().get_train_dataloader()
-            if self.accelerator.is_main_process:
+            if self.accelerator.is_main_process:  # the only process that collates (accelerate dispatches batches)
                 # accelerate's dispatcher pulls each micro-batch from rank 0's loader and broadcasts it; the other
                 # ranks wait in that broadcast while rank 0 waits for rollouts. A stop that ends rank 0's wait
                 # reaches them as one more batch, so every rank leaves the step at the same point.
-                base, make = loader.base_dataloader, loader.base_dataloader._get_iterator
+                base = getattr(loader, "base_dataloader", loader)
+                base.collate_fn = accounting.collate_with(base.collate_fn)
+                make = base._get_iterator
                 base._get_iterator = lambda: stop_batch_on_preempt(make(), self.accelerator.num_processes)
             return loader
 
@@ -2360,10 +2546,13 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 raise Preempted(STOP.signal_name or "a stop on rank 0")
             return batches, count
 
-        def training_step(self, model, inputs, num_items_in_batch):
+        def training_step(self, model, inputs, num_items_in_batch=None):
             if self.accelerator.is_main_process:
                 self.step_groups |= self._trained_groups.batches.pop(0)
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self.accelerator.is_main_process:
+                accounting.take_microbatch()
+            return loss
 
         def resume_position(self) -> tuple[list[int], int]:
             """Untrained visits and the next visit, for rollout_state.json: every group the trainer took but no
@@ -2379,7 +2568,11 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             if self.rollout_worker is not None and checkpoint:
                 state = json.loads((Path(checkpoint) / "rollout_state.json").read_text())
                 self.rollout_worker.pending = [int(v) for v in state.get("pending", [])]
-            return super()._inner_training_loop(*a, **kw)
+            try:
+                return super()._inner_training_loop(*a, **kw)
+            finally:  # TRL's own `finally` has stopped the rollout child by now
+                if self.accelerator.is_main_process:
+                    accounting.finish(self.rollout_worker.samples_left_at_stop)
 
         def _get_output_dir(self, trial):
             # transformers and TRL write a checkpoint file by file into <output dir>/checkpoint-N; pointing them at a
@@ -2412,7 +2605,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
 
         def log(self, logs, start_time=None):
             if "loss" in logs and self.accelerator.is_main_process:
-                logs.update(accounting.step(self.state.global_step))
+                stale = len(self._metrics["train"].get("sample/dropped_stale_total", ()))  # TRL's own count
+                logs.update(accounting.step(self.state.global_step, stale))
             super().log(logs, start_time)
 
     config = AsyncGRPOConfig(
@@ -2438,9 +2632,9 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     dataset = Dataset.from_list(rotate_harnesses(task_rows(tasks, split), harness_names(args.harness)))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     records = os.path.join(args.output_dir, "rollouts.jsonl")
-    accounting = RolloutAccounting(records, args.num_generations, harness_names(args.harness))
-    reward_fn = functools.partial(harbor_reward, step_limit=args.agent_step_limit,
-                                  efficiency_weight=args.efficiency_weight)
+    accounting = RolloutAccounting(records, args.num_generations, harness_names(args.harness),
+                                   args.efficiency_weight, keep_out_zero_variance=args.max_zero_variance_groups > 0)
+    reward_fn = functools.partial(harbor_reward, step_limit=args.agent_step_limit)
     worker = HarborRolloutWorker(
         model_name=args.model, dataset=dataset, reward_funcs=[],
         processing_class=tokenizer, eos_token_ids=eos_ids, num_generations=args.num_generations,
@@ -2453,7 +2647,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             agent_timeout_s=args.agent_timeout, max_consecutive_failures=args.max_consecutive_failures,
             retry_window_s=args.harbor_retry_window, record_path=records, reward_fn=reward_fn,
             worker_log=os.path.join(args.output_dir, WORKER_LOG)),
-        rollout_reward_fn=reward_fn,
+        rollout_reward_fn=reward_fn, efficiency_weight=args.efficiency_weight,
+        max_zero_variance_groups=args.max_zero_variance_groups,
     )
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
                                 rollout_worker=worker)
@@ -2569,6 +2764,8 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
         "checkpoints": (f"~{human_bytes(plan['checkpoint_bytes'])} each" if plan.get("checkpoint_bytes")
                         else "size unknown") + f", the newest {args.save_total_limit or 'all'} kept",
         "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
+        "zero-variance groups": (f"kept out; stop after {args.max_zero_variance_groups} in a row"
+                                 if args.max_zero_variance_groups else "trained (advantages 0)"),
         "report to": f"{args.report_to} (project {args.project})",
         **({"ranks": process_group_timeout()} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}),
     })
@@ -2593,6 +2790,9 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
             print(f"error: training stopped: {reason}. Fix the cause, then relaunch with --output-dir "
                   f"{args.output_dir} --resume (details: {os.path.join(args.output_dir, WORKER_LOG)})",
                   file=sys.stderr)
+            return 1
+        if NO_SIGNAL in cause:
+            print(f"error: training stopped: {cause.split(NO_SIGNAL, 1)[1].splitlines()[0].strip()}", file=sys.stderr)
             return 1
         raise
     if trainer.stop_agreed and trainer.state.global_step < args.max_steps:

@@ -153,7 +153,9 @@ def make_worker(rig: Rig, model_dir: Path, tasks: list, n: int):
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
     class Worker(HarnessRolloutWorker):
+        _loop_cls = script.harbor_rollout_loop()
         stop = script.stop_rollout_worker
+        samples_left_at_stop = 0
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     request_timeout = int(script.rollout_budget_s(AGENT_TIMEOUT))
@@ -166,7 +168,8 @@ def make_worker(rig: Rig, model_dir: Path, tasks: list, n: int):
             script.HarborSessionFactory, harbor_url=rig.harbor_url, harness="mini-swe-agent", sandbox="local",
             reward_key="correct,reward", agent_step_limit=STEP_LIMIT, agent_timeout_s=AGENT_TIMEOUT,
             max_consecutive_failures=32),
-        rollout_reward_fn=functools.partial(script.harbor_reward, step_limit=STEP_LIMIT, efficiency_weight=0.1),
+        rollout_reward_fn=functools.partial(script.harbor_reward, step_limit=STEP_LIMIT), efficiency_weight=0.1,
+        max_zero_variance_groups=0,  # echo-hello is always solved: every group would be kept out, and the run stopped
     )
 
 

@@ -1,41 +1,108 @@
-"""harbor_reward: the verifier's reward, plus a bounded bonus for solving in fewer turns."""
+"""The reward in advantage space: what TRL trains on is the advantage its own code computes from a group's rewards,
+(r - mean) / (std + 1e-8). Each case scores a group through the script's rollout loop, whose `_score_group` shapes
+the rewards and hands them to TRL's `_score_group`, and reads the advantages off the samples TRL builds."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT
-import importlib.util
 
 spec = importlib.util.spec_from_file_location("async_grpo_harbor", ROOT / "async_grpo_harbor.py")
 agh = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(agh)
 
+pytest.importorskip("trl.experimental.async_grpo.openenv_harness")
+from accelerate import PartialState  # noqa: E402
+from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, TrainingSequence  # noqa: E402
 
-def outcome(reward, turns):
-    return SimpleNamespace(env_reward=reward, trace=[{}] * turns, tool_call_count=turns)
-
-
-def reward(r, turns, w=0.1, limit=10):
-    return agh.harbor_reward(outcome(r, turns), step_limit=limit, efficiency_weight=w)
-
-
-def test_unscorable_stays_unscorable():
-    assert reward(None, 3) is None
+W, LIMIT = 0.1, 10
+PartialState()  # TRL's scoring logs through accelerate, which needs its state (TRL's rollout child makes it too)
 
 
-def test_unsolved_rollouts_get_no_bonus_however_short():
-    assert reward(0.0, 1) == 0.0
-    assert reward(-1.0, 1) == -1.0
+def scoring_loop(max_zero_variance_groups: int = 100):
+    """The script's loop class with the state its scoring reads; the rest of its __init__ (engine session, dataset,
+    queues, thread pools) is not on the scoring path."""
+    loop = object.__new__(agh.harbor_rollout_loop())
+    loop.reward_funcs, loop._env_reward_types, loop.reward_func_names = [], [], ["harness_reward"]
+    loop.efficiency_weight, loop.max_zero_variance_groups, loop.flat_run = W, max_zero_variance_groups, []
+    return loop
 
 
-def test_solving_faster_earns_more_but_never_more_than_the_weight():
-    fast, slow, at_limit = reward(1.0, 2), reward(1.0, 8), reward(1.0, 10)
-    assert 1.0 == at_limit < slow < fast <= 1.1
-    assert reward(1.0, 30) == 1.0  # past the limit: no negative bonus
+def rollout(reward: float | None, turns: int = 5):
+    """(what TRL's rollout reward hook returns for it, its training rows); an unscorable rollout has no rows."""
+    outcome = SimpleNamespace(env_reward=reward, trace=[{}] * turns, tool_call_count=turns)
+    rows = [] if reward is None else [TrainingSequence([1, 2, 3, 4], [0, 0, 1, 1], [0.0, 0.0, -0.5, -0.5], "r")]
+    return agh.harbor_reward(outcome, step_limit=LIMIT), rows
 
 
-def test_bonus_scales_with_partial_credit_and_can_be_disabled():
-    assert reward(0.5, 2) == pytest.approx(0.5 + 0.1 * 0.5 * 0.8)
-    assert reward(1.0, 2, w=0.0) == 1.0
+def advantages(rollouts: list, loop=None) -> list[float | None] | None:
+    """Each rollout's advantage as TRL builds its samples (None: no sample); None when the group was kept out."""
+    group = RolloutGroup(prompts=[[]] * len(rollouts), reward_kwargs={}, completions=[[]] * len(rollouts),
+                         completions_ids=[[]] * len(rollouts), completions_sequences=[rows for _, rows in rollouts],
+                         tool_call_counts=[0] * len(rollouts), tool_failure_counts=[0] * len(rollouts),
+                         model_version=0, group_id=7, env_rewards=[None] * len(rollouts),
+                         rollout_rewards=[score for score, _ in rollouts])
+    samples = asyncio.run((loop or scoring_loop())._score_group(group))
+    if not samples:
+        return None
+    found = iter(s.advantage for s in samples)
+    return [next(found) if rows else None for _, rows in rollouts]
+
+
+def test_a_mixed_group_orders_solved_rollouts_by_turns_within_a_bounded_share_of_a_correctness_step():
+    fast, slow, failed, failed_fast = advantages([rollout(1.0, 2), rollout(1.0, 8), rollout(0.0, 9),
+                                                  rollout(0.0, 1)])
+    assert fast > slow > 0 > failed == failed_fast  # failing quickly earns nothing
+    # Efficiency moves an advantage by at most W of what solving moves it, whatever the group's std.
+    assert fast - slow <= W * (slow - failed)
+    assert failed == pytest.approx(-1.0, abs=0.1) and fast == pytest.approx(1.0, abs=0.1)
+
+
+def test_an_all_solved_group_is_kept_out_however_its_turns_differ():
+    # Turn counts alone would be the whole signal here: normalised, 1.08 vs 1.02 becomes advantages of about +-1.3,
+    # larger than a pass/fail split. The group carries no correctness signal, so it carries none at all.
+    assert advantages([rollout(1.0, 2), rollout(1.0, 4), rollout(1.0, 6), rollout(1.0, 8)]) is None
+    # Trained anyway (--max-zero-variance-groups 0, TRL's behaviour): every advantage is exactly 0.
+    assert advantages([rollout(1.0, 2), rollout(1.0, 8)], scoring_loop(0)) == [0.0, 0.0]
+
+
+def test_an_all_failed_group_is_kept_out():
+    assert advantages([rollout(0.0, 1), rollout(0.0, 6), rollout(0.0, 3)]) is None
+    assert advantages([rollout(0.0, 1), rollout(0.0, 6)], scoring_loop(0)) == [0.0, 0.0]
+
+
+def test_unscorable_members_get_no_sample_and_stay_out_of_the_baseline():
+    solved, lost, failed, lost_too = advantages([rollout(1.0, 3), rollout(None), rollout(0.0, 3), rollout(None)])
+    assert lost is None and lost_too is None
+    assert solved == pytest.approx(1.0) and failed == pytest.approx(-1.0)  # the baseline of the two scored ones
+    # One scorable rollout has nothing to be compared with.
+    assert advantages([rollout(1.0, 3), rollout(None), rollout(None)]) is None
+    assert advantages([rollout(None), rollout(None)]) is None
+
+
+def test_partial_credit_keeps_its_order_and_efficiency_stays_within_the_smallest_step():
+    full_slow, part_fast, part_slow, zero = advantages([rollout(1.0, 9), rollout(0.5, 1), rollout(0.5, 9),
+                                                        rollout(0.0, 1)])
+    assert full_slow > part_fast > part_slow > zero
+    assert part_fast - part_slow <= W * (part_slow - zero)
+
+
+def test_a_long_run_of_zero_variance_groups_stops_the_worker_with_the_reason():
+    loop = scoring_loop(max_zero_variance_groups=3)
+    solved, failed = [rollout(1.0), rollout(1.0)], [rollout(0.0), rollout(0.0)]
+    assert advantages(solved, loop) is None and advantages(failed, loop) is None
+    assert advantages([rollout(1.0), rollout(0.0)], loop) is not None  # variance: the count starts over
+    assert advantages([rollout(None), rollout(None)], loop) is None  # unscorable: the failure counter's business
+    assert advantages(solved, loop) is None and advantages(failed, loop) is None
+    with pytest.raises(ValueError, match=rf"^{agh.NO_SIGNAL} the last 3 groups .*\(1 solved by every rollout, 2 by "
+                                         r"none\).*--eval-only --curate"):
+        advantages(failed, loop)
+
+
+def test_efficiency_weight_must_stay_below_one_correctness_step():
+    with pytest.raises(agh.UsageError, match=r"--efficiency-weight must be in \[0, 1\)"):
+        agh.parse_args(["--efficiency-weight", "1"])

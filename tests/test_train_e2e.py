@@ -11,7 +11,8 @@ from collections import defaultdict
 from datetime import datetime, timezone
 
 import pytest
-from conftest import MAX_MODEL_LEN, SECRETS, embedded, log_history, rollouts, run_script, train_args
+from conftest import (MAX_MODEL_LEN, SECRETS, assert_all_slots_free, default_filter, embedded, log_history, rollouts,
+                      run_script, train_args)
 from safetensors.torch import load_file
 
 @pytest.fixture(scope="module")
@@ -19,8 +20,8 @@ def trained(rig, tmp_path_factory):
     # The README's one command: no --harbor-url, so the script runs its own Harbor server.
     work = tmp_path_factory.mktemp("train")
     before = (len(rig.engine_stats()["chat"]), datetime.now(timezone.utc))
-    args, env = embedded(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1", "--report-to",
-                                    "trackio", "--project", "e2e"), work)
+    args, env = embedded(default_filter(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1",
+                                                   "--report-to", "trackio", "--project", "e2e")), work)
     proc = run_script(args, cwd=work, HF_HOME=str(work / "hf"), TRACKIO_DIR=str(work / "trackio"), **SECRETS, **env)
     return proc, work / "out", rig, before
 
@@ -109,6 +110,62 @@ def test_zero_variance_accounting_matches_the_rewards_produced(trained):
         assert logged.get("harbor/zero_variance_frac_cumulative") == (zero / groups if groups else None)
         assert logged["harbor/groups_total"] == groups and logged["harbor/zero_variance_groups_total"] == zero
     assert zero > 0, "echo-hello and never score alike in every group"
+
+
+TRAINED = re.compile(r"\[harbor\] step (\d+): .*; trained (\d+) groups \(([\d,]+|-)\), (\d+) samples, (\d+) tokens")
+SUMMARY = re.compile(r"\[harbor\] rollouts: (\d+) finished; (\d+) reached the loss \((\d+) groups, (\d+) tokens, "
+                     r"100% with a non-zero advantage\); not trained: (\d+) unscorable, (\d+) in zero-variance groups "
+                     r"\(kept out\), (\d+) dropped as stale or left at the stop")
+
+
+def test_only_groups_with_reward_variance_reach_the_loss(trained):
+    # By default a group whose rewards are all equal (every advantage 0) is kept out of training: every group that
+    # reached the loss mixed solved and failed rollouts, and every token in the loss carries a non-zero advantage.
+    proc, out, _, _ = trained
+    produced = defaultdict(list)
+    for group, _, reward in rollouts(proc.stdout):
+        produced[group].append(reward)
+    mixed = {g for g, rewards in produced.items() if len(rewards) == 4 and len(set(rewards)) > 1}
+    flat = {g for g, rewards in produced.items() if len(rewards) == 4 and len(set(rewards)) == 1}
+    steps = TRAINED.findall(proc.stdout)
+    assert [int(s[0]) for s in steps] == [1, 2, 3], proc.stdout[-3000:]
+    trained_groups = [int(g) for s in steps if s[2] != "-" for g in s[2].split(",")]
+    assert trained_groups and set(trained_groups) <= mixed, (trained_groups, dict(produced))
+    assert flat, "echo-hello and never score alike in every group"
+    history = {e["step"]: e for e in log_history(out)}
+    for step, groups, _, samples, tokens in steps:
+        logged = history[int(step)]
+        assert logged["harbor/trained/informative_token_frac"] == 1.0
+        # Loss tokens as TRL counts them: the micro-batches this step trained on, not the one collated ahead.
+        assert logged["harbor/trained/tokens"] == logged["batch/trained_tokens_per_step"] == int(tokens) > 0
+        assert logged["harbor/trained/groups"] == int(groups) and logged["harbor/trained/samples"] == int(samples)
+    # Produced = trained + not trained, each rollout counted once.
+    summary = SUMMARY.search(proc.stdout)
+    assert summary, proc.stdout[-3000:]
+    finished, reached, groups, tokens, unscorable, zero_variance, rest = map(int, summary.groups())
+    assert finished == len(rollouts(proc.stdout)) and reached == 4 * len(trained_groups) == 4 * groups
+    assert tokens == sum(int(s[4]) for s in steps) and unscorable == 0
+    assert zero_variance == 4 * len(flat) and reached + zero_variance + rest == finished
+    last = history[3]
+    assert last["harbor/trained/rollouts_total"] + last["harbor/not_trained/zero_variance_total"] + last[
+        "harbor/not_trained/stale_or_pending_total"] + last["harbor/not_trained/unscorable_total"] == last[
+        "harbor/rollouts_total"] <= finished
+
+
+def test_a_suite_that_never_varies_stops_with_the_reason(rig, tmp_path):
+    # Tasks the model always or never solves: every group is kept out, so no sample ever reaches the trainer. After
+    # --max-zero-variance-groups of them in a row the run ends with one line saying why, instead of waiting forever.
+    proc = run_script(default_filter(train_args(rig, tmp_path / "out", "--tasks", "echo-hello,never", "--max-steps",
+                                                "3", "--max-zero-variance-groups", "2")), cwd=tmp_path, timeout=600)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: training stopped: the last 2 groups each scored all their rollouts alike (1 solved "
+                           "by every rollout, 1 by none)") and "--eval-only --curate" in last, last
+    assert "Traceback" not in proc.stderr and "[harbor] step" not in proc.stdout  # no optimizer step: nothing trained
+    summary = re.search(r"\[harbor\] rollouts: (\d+) finished; 0 reached the loss .*?(\d+) in zero-variance groups "
+                        r"\(kept out\)", proc.stdout)
+    assert summary and int(summary[2]) >= 8, proc.stdout[-3000:]
+    assert_all_slots_free(rig)
 
 
 def test_rollout_time_is_accounted_per_step(trained):
