@@ -607,8 +607,8 @@ class HarborSession(ResourceSession):
 
     Satisfies OpenEnv's `TrainableSession`: `wait_for_completion()` runs the rollout, `fetch_training_trace()` hands
     TRL the validated token capture, `verify()` forwards the verifier's reward. A failed rollout is unscorable
-    (reward None), never fatal; only a run of them stops training, through the one channel TRL offers: a ValueError
-    out of `fetch_training_trace()`.
+    (reward None), never fatal; only a run of them, or a Harbor server gone for longer than --harbor-retry-window,
+    stops training (`HarborSessionFactory._stop_run`). A rollout its server lost starts again in a new session.
     """
 
     def __init__(self, factory: HarborSessionFactory, prompt: list[dict[str, Any]], group: int | None):
