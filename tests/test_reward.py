@@ -5,12 +5,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT
-import importlib.util
+from conftest import load_script
 
-spec = importlib.util.spec_from_file_location("async_grpo_harbor", ROOT / "async_grpo_harbor.py")
-agh = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(agh)
+agh = load_script()
 
 
 def outcome(reward, turns):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from conftest import TASKS, log_history, run_script, train_args
+from conftest import TASKS, log_history, run_main, run_script, train_args
 from test_refusals import assert_refused
 
 HARNESSES = ["mini-swe-agent", "mini-swe-agent-twin"]
@@ -37,5 +37,5 @@ def test_each_group_runs_one_harness_and_metrics_are_split_per_harness(rig, tmp_
 
 
 def test_every_harness_in_the_list_is_checked(rig, tmp_path):
-    proc = run_script([*rig.base_args(), "--harness", "mini-swe-agent,mini-swe-agnt", "--tasks", TASKS], cwd=tmp_path)
+    proc = run_main([*rig.base_args(), "--harness", "mini-swe-agent,mini-swe-agnt", "--tasks", TASKS], cwd=tmp_path)
     assert_refused(proc, "unknown harness 'mini-swe-agnt'")
