@@ -74,6 +74,10 @@ if TYPE_CHECKING:
     from openenv.core.harness import TrainingTrace, VerifyResult
     from openenv.harbor.models import HarborRolloutResult
 
+# openenv 0.10 imports gradio (its web UI, ~2.5 s) with anything from `openenv.core`, here and again in TRL's rollout
+# child. Neither serves a UI, and openenv leaves the UI out when gradio cannot be imported.
+sys.modules.setdefault("gradio", None)
+
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
 # Prefix of the error the rollout child raises to stop training; main() finds it in TRL's wrapped exception.

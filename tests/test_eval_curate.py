@@ -53,11 +53,11 @@ def test_eval_only_counts_every_rollout_it_ran(measured):
         assert int(row["solved"]) == sum(r > 0 for r in rewards), task
 
 
-def test_eval_only_loads_no_torch(measured):
+def test_eval_only_loads_no_torch_and_no_web_ui(measured):
     proc, _, _ = measured
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "openenv.harbor.client" in imported, "PYTHONPROFILEIMPORTTIME had no effect"
-    assert not {"torch", "transformers", "trl"} & imported
+    assert not {"torch", "transformers", "trl", "gradio"} & imported
 
 
 def test_curate_keeps_the_tasks_solved_sometimes(measured):
