@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,24 @@ def embedded(args: list[str], work: Path) -> tuple[list[str], dict[str, str]]:
     command = shlex.join([os.environ["AGH_SERVER_PYTHON"], str(RIG / "harbor_server.py")])
     env = {"RIG_SANDBOX_DIR": str(work / "sandboxes"), "OPENENV_HARBOR_TRIALS_DIR": str(work / "trials")}
     return [*args, "--harbor-command", command], env
+
+
+# The rig's second harness is mini-swe-agent again under another name (tests/rig/harbor_server.py): every other
+# harness installs itself from the network.
+HARNESSES = ["mini-swe-agent", "mini-swe-agent-twin"]
+
+
+@pytest.fixture(scope="session")
+def trained(rig, tmp_path_factory):
+    """The README's one command (no --harbor-url, so the script runs its own Harbor server): 3 steps, a checkpoint
+    each, trackio, harnesses rotated per group. One run, read by test_train_e2e and test_rotation."""
+    work = tmp_path_factory.mktemp("train")
+    chats, started = len(rig.engine_stats()["chat"]), datetime.now(timezone.utc)
+    args, env = embedded(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1", "--report-to",
+                                    "trackio", "--project", "e2e", "--harness", ",".join(HARNESSES)), work)
+    proc = run_script(args, cwd=work, HF_HOME=str(work / "hf"), TRACKIO_DIR=str(work / "trackio"), **SECRETS, **env)
+    # What the engine was asked during this run alone: later tests share the engine.
+    return proc, work / "out", rig, (rig.engine_stats()["chat"][chats:], started)
 
 
 def log_history(out: Path, step: int | None = None) -> list[dict]:
