@@ -57,7 +57,9 @@ def test_eval_only_loads_no_torch_and_no_web_ui(measured):
     proc, _, _ = measured
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "openenv.harbor.client" in imported, "PYTHONPROFILEIMPORTTIME had no effect"
-    assert not {"torch", "transformers", "trl", "gradio"} & imported
+    assert not {"torch", "transformers", "trl"} & imported
+    # Python reports the blocked `import gradio` too, as it fails at once; a real import brings gradio.* with it.
+    assert not [name for name in imported if name.startswith("gradio.")]
 
 
 def test_curate_keeps_the_tasks_solved_sometimes(measured):
