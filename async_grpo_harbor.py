@@ -70,13 +70,17 @@ import urllib.parse
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from openenv.core.harness import ResourceSession, ResourceSessionFactory, VerifyResult
-from openenv.core.harness.training import TrainingTrace
-from openenv.harbor.client import HarborEnv
-from openenv.harbor.contract import to_training_trace
-from openenv.harbor.models import HarborRolloutResult
+# Nothing heavy at module level: `--help` and a refused argument answer at once, and TRL's spawned rollout child, which
+# imports this file, pays only for what it runs. Each path imports what it needs where it needs it.
+if TYPE_CHECKING:
+    from openenv.core.harness import TrainingTrace, VerifyResult
+    from openenv.harbor.models import HarborRolloutResult
+
+# openenv 0.10 imports gradio (its web UI, ~2.5 s) with anything from `openenv.core`, here and again in TRL's rollout
+# child. Neither serves a UI, and openenv leaves the UI out when gradio cannot be imported.
+sys.modules.setdefault("gradio", None)
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
@@ -587,10 +591,13 @@ class HarborRolloutClient:
     ~20 ms of CPU per rollout (TLS context) on the rollout child's thread pool.
     """
 
-    run_rollout = HarborEnv.run_rollout
-
     def __init__(self, base_url: str, timeout_s: float):
         self.server_session = HarborServerSession(base_url, timeout_s)
+
+    def run_rollout(self, **kwargs: Any) -> HarborRolloutResult:
+        from openenv.harbor.client import HarborEnv
+
+        return HarborEnv.run_rollout(self, **kwargs)
 
     def _call(self, name: str, **kwargs: Any) -> Any:
         result = self.server_session.call_tool(name, kwargs)
@@ -602,7 +609,9 @@ class HarborRolloutClient:
         self.server_session.close()
 
 
-class HarborSession(ResourceSession):
+# OpenEnv's `ResourceSession` and `ResourceSessionFactory` by shape, not by inheritance: they live in `openenv.core`,
+# seconds to import, and TRL checks only the `TrainableSession` protocol (tests/test_sessions.py holds us to all three).
+class HarborSession:
     """One rollout: the harness runs on the server, we only wait for its result.
 
     Satisfies OpenEnv's `TrainableSession`: `wait_for_completion()` runs the rollout, `fetch_training_trace()` hands
@@ -690,6 +699,9 @@ class HarborSession(ResourceSession):
         return 0 if self.failure is None else 1
 
     def fetch_training_trace(self) -> TrainingTrace:
+        from openenv.core.harness import TrainingTrace
+        from openenv.harbor.contract import to_training_trace
+
         if self._client.server_session.closed:
             return TrainingTrace(turns=[])  # abandoned at stop: neither a sample nor a failure
         if self.failure is None:
@@ -707,6 +719,8 @@ class HarborSession(ResourceSession):
         return TrainingTrace(turns=[]) if self.failure is not None else trace
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
+        from openenv.core.harness import VerifyResult
+
         if self.failure is not None or self.result is None:
             return VerifyResult(env_reward=None, done=True,
                                 metrics={"failure": self.failure.message if self.failure else None})
@@ -719,7 +733,7 @@ class HarborSession(ResourceSession):
         self._client.close()
 
 
-class HarborSessionFactory(ResourceSessionFactory):
+class HarborSessionFactory:
     """Creates one `HarborSession` per rollout. Built inside TRL's rollout child as `factory(sampling=...)`.
 
     `sampling` is the trainer's own policy (temperature), forwarded to every `run_rollout` so the proxy samples at
@@ -1456,6 +1470,8 @@ def check_sandbox_reach(args: argparse.Namespace, pf: Preflight) -> bool:
 def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any],
                  server: EmbeddedHarborServer | None) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
     """The server's splits and its engine report, once harness, sandbox and session slots are known to work."""
+    from openenv.harbor.client import HarborEnv
+
     if server is not None:
         try:
             seconds = server.start(served["id"])
@@ -1653,6 +1669,8 @@ def check_session_capacity(harbor_url: str, needed: int) -> None:
 
 
 def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
+    from openenv.harbor.client import HarborEnv
+
     client = HarborEnv(base_url=harbor_url)
     try:
         total = client.num_tasks(split)

@@ -11,10 +11,12 @@ by side in one run:
 3. startup: process start -> first session dispatched, minus model load (`build_trainer`), same run.
 4. the factory's own per-rollout work (client construction, session create/close over HTTP, result parse, trace
    conversion), timed on a real rollout result, as a fraction of the rollout's wall time.
+5. the command line: `--help` and an argument refusal, wall seconds, median of 5 each (no rig needed).
 
 With py-spy (bench/run.sh provides it): a profile of the worker's stop, and of the server and the rollout child
-during one factory window at the highest N. Ends with `perf: ratio_min=<x> shutdown_s=<y> startup_s=<z>`.
-Run: `bash bench/run.sh [--reps 3] [--sections script,stop,overhead,throughput,profile] [--json FILE]`.
+during one factory window at the highest N. Ends with `perf: ratio_min=<x> shutdown_s=<y> startup_s=<z> help_s=<h>
+refusal_s=<r>`.
+Run: `bash bench/run.sh [--reps 3] [--sections cli,script,stop,overhead,throughput,profile] [--json FILE]`.
 """
 
 from __future__ import annotations
@@ -335,6 +337,22 @@ def factory_overhead(rig: Rig, spec: dict, reps: int = 20) -> dict:
             "turns": result.n_turns, "server_wall_s": result.wall_s, "phase_timings": result.phase_timings}
 
 
+# ---- 5. the command line
+def cli_times(reps: int = 5) -> dict:
+    """`--help` and a refused argument, as a user runs them (no rig stand-ins in the environment): wall seconds,
+    median of `reps`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AGH_CPU_RIG")}
+    times = {}
+    for name, args in (("help_s", ["--help"]), ("refusal_s", ["--num-generations", "1"])):
+        runs = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, str(ROOT / "async_grpo_harbor.py"), *args], capture_output=True, env=env)
+            runs.append(time.perf_counter() - start)
+        times[name] = statistics.median(runs)
+    return times
+
+
 # ---- 2 + 3. a real run of the script: startup and shutdown
 def script_run(rig: Rig, model_dir: Path, workdir: Path, max_steps: int, embedded: bool) -> dict:
     """One short training run. `embedded`: no --harbor-url, so the script starts the (rig's) Harbor server itself."""
@@ -400,7 +418,8 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,2,4,8", help="levels N, comma-separated")
     p.add_argument("--reps", type=int, default=3, help="repetitions per N (each measures both paths)")
     p.add_argument("--waves", type=int, default=1, help="rollouts timed per repetition, in units of N (at least 4)")
-    p.add_argument("--sections", default="script,stop,overhead,throughput,profile", help="what to measure, comma-separated")
+    p.add_argument("--sections", default="cli,script,stop,overhead,throughput,profile",
+                   help="what to measure, comma-separated")
     p.add_argument("--script-runs", type=int, default=2, help="runs of the script for startup / shutdown")
     p.add_argument("--max-steps", type=int, default=2, help="optimizer steps per script run")
     p.add_argument("--py-spy", default="", help="py-spy binary: profile the server and the rollout child at max N")
@@ -413,6 +432,10 @@ def main() -> int:
     info = versions()
     for k, v in info.items():
         print(f"{k}: {v}", flush=True)
+    cli = {}
+    if "cli" in sections:
+        cli = cli_times()
+        print("\n5. command line, median of 5: " + ", ".join(f"{k}={v:.2f}" for k, v in cli.items()), flush=True)
 
     recipe = hashlib.sha256((RIG / "tiny_model.py").read_bytes()).hexdigest()[:16]  # as tests/conftest.py keys it
     model_dir = Path(os.environ.get("AGH_CACHE_DIR", workdir)) / f"tiny-qwen3-{recipe}"
@@ -488,12 +511,14 @@ def main() -> int:
                 for leaf, share in prof[name]:
                     print(f"  {share:6.1%}  {leaf}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"info": info, "throughput": thr, "overhead": overhead, "runs": runs,
-                                            "medians": {str(k): v for k, v in med.items()}, "profile": prof}, indent=1, default=str))
+        Path(a.json).write_text(json.dumps({"info": info, "cli": cli, "throughput": thr, "overhead": overhead,
+                                            "runs": runs, "medians": {str(k): v for k, v in med.items()},
+                                            "profile": prof}, indent=1, default=str))
     ratio_min = min((r["ratio"] for r in thr.values()), default=float("nan"))
     base = med.get(False, {})
     print(f"perf: ratio_min={ratio_min:.3f} shutdown_s={base.get('shutdown_s', float('nan')):.2f} "
-          f"startup_s={base.get('startup_script_s', float('nan')):.2f}")
+          f"startup_s={base.get('startup_script_s', float('nan')):.2f} help_s={cli.get('help_s', float('nan')):.2f} "
+          f"refusal_s={cli.get('refusal_s', float('nan')):.2f}")
     return 0
 
 

@@ -6,7 +6,11 @@ $AGH_SERVER_PYTHON (Python 3.12 with openenv[harbor] and mini-swe-agent).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import importlib.util
+import io
 import json
 import os
 import re
@@ -16,7 +20,9 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -161,6 +167,49 @@ def run_script(args: list[str], cwd: Path, timeout: float = 900.0, **env: str) -
     return proc
 
 
+@functools.cache
+def load_script():
+    """The training script as a module of this process, for tests of its functions and of `main()` in-process."""
+    spec = importlib.util.spec_from_file_location("async_grpo_harbor", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_main(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """`main(args)` in this process, seen as `run_script` sees the script: exit code, stdout, stderr (an uncaught
+    exception is a traceback on stderr and code 1, as Python prints it). For what ends before training: no
+    interpreter start, and the libraries a preflight imports load once per session. Python warnings and log records
+    go to pytest's own capture here; test_refusals runs one refusal as a process too."""
+    script = load_script()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    stdout, stderr = io.StringIO(), io.StringIO()
+    os.environ.update({k: v for k, v in script_env(**env).items() if k != "PYTHONPATH"})
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = script.main([str(a) for a in args])
+            except SystemExit as exc:  # argparse: --help, a malformed value
+                code = exc.code
+                if not isinstance(code, int):
+                    print(code or "", file=sys.stderr, end="\n" if code else "")
+                    code = 0 if code is None else 1
+            except Exception:  # noqa: BLE001 - what the interpreter would print and exit with
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    proc = subprocess.CompletedProcess(["main", *args], int(code), stdout.getvalue(), stderr.getvalue())
+    print(f"$ main({' '.join(map(str, args))})\n--- stdout\n{proc.stdout[-20000:]}\n--- stderr\n{proc.stderr[-20000:]}")
+    return proc
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     # Keyed by the recipe, so checkouts with different recipes sharing one cache never rebuild over each other.
@@ -173,6 +222,14 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def rig(tmp_path_factory, tiny_model):
     rig = Rig(tmp_path_factory.mktemp("rig"), tiny_model, [])
+    yield rig
+    rig.stop()
+
+
+@pytest.fixture(scope="session")
+def eval_tier_rig(tmp_path_factory, tiny_model):
+    """A rig whose engine returns no token ids (a plain OpenAI server, as a hosted model): OpenEnv's `eval` tier."""
+    rig = Rig(tmp_path_factory.mktemp("eval-rig"), tiny_model, ["--no-token-ids"])
     yield rig
     rig.stop()
 
@@ -228,6 +285,25 @@ def embedded(args: list[str], work: Path) -> tuple[list[str], dict[str, str]]:
     command = shlex.join([os.environ["AGH_SERVER_PYTHON"], str(RIG / "harbor_server.py")])
     env = {"RIG_SANDBOX_DIR": str(work / "sandboxes"), "OPENENV_HARBOR_TRIALS_DIR": str(work / "trials")}
     return [*args, "--harbor-command", command], env
+
+
+# The rig's second harness is mini-swe-agent again under another name (tests/rig/harbor_server.py): every other
+# harness installs itself from the network.
+HARNESSES = ["mini-swe-agent", "mini-swe-agent-twin"]
+
+
+@pytest.fixture(scope="session")
+def trained(rig, tmp_path_factory):
+    """The README's one command (no --harbor-url, so the script runs its own Harbor server): 3 steps, a checkpoint
+    each, trackio, harnesses rotated per group. One run, read by test_train_e2e and test_rotation."""
+    work = tmp_path_factory.mktemp("train")
+    chats, started = len(rig.engine_stats()["chat"]), datetime.now(timezone.utc)
+    args, env = embedded(default_filter(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1",
+                                                   "--report-to", "trackio", "--project", "e2e", "--harness",
+                                                   ",".join(HARNESSES))), work)
+    proc = run_script(args, cwd=work, HF_HOME=str(work / "hf"), TRACKIO_DIR=str(work / "trackio"), **SECRETS, **env)
+    # What the engine was asked during this run alone: later tests share the engine.
+    return proc, work / "out", rig, (rig.engine_stats()["chat"][chats:], started)
 
 
 def log_history(out: Path, step: int | None = None) -> list[dict]:

@@ -13,22 +13,43 @@ find_python() {  # pyenv shims refuse versions that are not selected, so look be
   exit 2
 }
 
-make_env() {  # name, python, requirements file -> prints the venv dir
-  local name=$1 py=$2 req=$root/$3 dir
-  dir=$cache/$name-$(cat "$req" | sha256sum | cut -c1-16)
-  if [ ! -f "$dir/.complete" ]; then
-    echo "installing the $name environment into $dir (once)" >&2
-    rm -rf "$dir"
-    "$py" -m venv "$dir"
-    if ! "$dir/bin/pip" install -q -r "$req" >"$dir/install.log" 2>&1; then
-      grep -v "is ignored: it is neither" "$dir/install.log" | tail -20 >&2
-      exit 1
-    fi
-    touch "$dir/.complete"
+env_dir() {  # name, requirements file -> the venv dir for exactly these requirements
+  if [ ! -f "$root/$2" ]; then  # else every missing file would hash alike, to one empty environment
+    echo "error: $root/$2 not found; set root to the clone" >&2
+    exit 2
   fi
-  echo "$dir"
+  echo "$cache/$1-$(cat "$root/$2" | sha256sum | cut -c1-16)"
 }
 
-trainer=$(make_env trainer "$(find_python 3.11)" tests/requirements-trainer.txt)
-server=$(make_env server "$(find_python 3.12)" tests/requirements-server.txt)
+build_env() {  # name, python, requirements file, venv dir
+  local name=$1 py=$2 req=$root/$3 dir=$4
+  echo "installing the $name environment into $dir (once)" >&2
+  rm -rf "$dir"
+  "$py" -m venv "$dir"
+  if ! "$dir/bin/pip" install -q -r "$req" >"$dir/install.log" 2>&1; then
+    grep -v "is ignored: it is neither" "$dir/install.log" | tail -20 >&2
+    return 1
+  fi
+  touch "$dir/.complete"
+}
+
+trainer=$(env_dir trainer tests/requirements-trainer.txt)
+server=$(env_dir server tests/requirements-server.txt)
+py311=$(find_python 3.11)
+py312=$(find_python 3.12)
+# A fresh clone builds both at once: each pip is mostly one core, and this is a third of a first CI run.
+building=()
+if [ ! -f "$trainer/.complete" ]; then
+  build_env trainer "$py311" tests/requirements-trainer.txt "$trainer" &
+  building+=($!)
+fi
+if [ ! -f "$server/.complete" ]; then
+  build_env server "$py312" tests/requirements-server.txt "$server" &
+  building+=($!)
+fi
+failed=0
+for pid in "${building[@]}"; do
+  wait "$pid" || failed=1
+done
+[ "$failed" = 0 ] || exit 1
 export AGH_SERVER_PYTHON=$server/bin/python AGH_TRAINER_PYTHON=$trainer/bin/python AGH_CACHE_DIR=$cache

@@ -9,7 +9,7 @@ cd "$root"
 set +e
 # The whole suite unless the arguments name tests themselves (a file, a node id).
 case " $* " in *" tests/"*) ;; *) set -- tests "$@" ;; esac
-"$trainer/bin/python" -m pytest -ra "$@"
+"$trainer/bin/python" -m pytest -ra --durations=15 "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

@@ -1,5 +1,6 @@
 """`--check`: one table, a PASS/WARN/FAIL/SKIP row per check and the fix under each failure; exit 0 only when nothing
-FAILs. The same checks run before every training run. Without --harbor-url the script runs its own Harbor server."""
+FAILs. The same checks run before every training run. Without --harbor-url the script runs its own Harbor server.
+`main()` runs in the test's own process (conftest.run_main), except where the test is about processes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import SCRIPT, SECRETS, embedded, free_port, run_script, script_env
+from conftest import SCRIPT, SECRETS, embedded, free_port, run_main, run_script, script_env
 
 ROW = re.compile(r"^  (PASS|WARN|FAIL|SKIP)  (\S+(?: \S+)*)\s{2,}(.*)$", re.M)
 
@@ -34,7 +35,7 @@ def refused_with(proc, check: str, *needles: str) -> None:
 
 
 def test_a_healthy_setup_passes_and_an_external_server_is_used_as_is(rig, tmp_path):
-    proc = run_script([*rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--check"], cwd=tmp_path)
+    proc = run_main([*rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--check"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = table(proc.stdout)
     assert {status for status, _ in rows.values()} <= {"PASS", "WARN", "SKIP"}, rows
@@ -59,7 +60,7 @@ def test_a_healthy_setup_passes_and_an_external_server_is_used_as_is(rig, tmp_pa
 def test_probe_rollout_on_its_own_server_confirms_the_reward_key_then_stops_the_server(rig, tmp_path):
     args, env = embedded([*rig.base_args(), "--tasks", "coin2", "--reward-key", "correct", "--output-dir", "out",
                           "--check", "--probe-rollout", "--agent-step-limit", "6"], tmp_path)
-    proc = run_script(args, cwd=tmp_path, **env)
+    proc = run_main(args, cwd=tmp_path, **env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = table(proc.stdout)
     started = re.match(r"started (http://127\.0\.0\.1:\d+) in \d+s \(log: out/harbor_server\.log\)",
@@ -77,8 +78,8 @@ def test_probe_rollout_on_its_own_server_confirms_the_reward_key_then_stops_the_
 
 
 def test_a_reward_key_the_tasks_do_not_emit_names_the_ones_they_do(rig, tmp_path):
-    proc = run_script([*rig.base_args(), "--tasks", "coin2", "--reward-key", "score", "--check", "--probe-rollout",
-                       "--agent-step-limit", "6"], cwd=tmp_path)
+    proc = run_main([*rig.base_args(), "--tasks", "coin2", "--reward-key", "score", "--check", "--probe-rollout",
+                     "--agent-step-limit", "6"], cwd=tmp_path)
     refused_with(proc, "reward key", "--reward-key 'score' is not emitted by coin2; it emits: correct, format")
 
 
@@ -93,8 +94,8 @@ def test_a_reward_key_the_tasks_do_not_emit_names_the_ones_they_do(rig, tmp_path
 def test_a_vllm_launched_without_a_flag_the_trainer_needs_is_refused_naming_it(make_rig, tmp_path, engine_flags,
                                                                                  failing):
     engine = make_rig(*engine_flags, harbor=False)
-    proc = run_script([*engine.base_args(), "--harbor-url", f"http://127.0.0.1:{free_port()}", "--tasks", "coin",
-                       "--check"], cwd=tmp_path)
+    proc = run_main([*engine.base_args(), "--harbor-url", f"http://127.0.0.1:{free_port()}", "--tasks", "coin",
+                     "--check"], cwd=tmp_path)
     first_check, first_fix = next(iter(failing.items()))
     refused_with(proc, first_check, first_fix)
     for check, fix in failing.items():
@@ -104,7 +105,7 @@ def test_a_vllm_launched_without_a_flag_the_trainer_needs_is_refused_naming_it(m
 
 def test_missing_sandbox_credentials_name_the_variable(rig, tmp_path):
     args, env = embedded([*rig.base_args(), "--sandbox", "e2b", "--tasks", "coin", "--output-dir", "out"], tmp_path)
-    proc = run_script(args, cwd=tmp_path, **env, E2B_API_KEY="")
+    proc = run_main(args, cwd=tmp_path, **env, E2B_API_KEY="")
     refused_with(proc, "credentials", "E2B_API_KEY is not set")
     assert not (tmp_path / "out" / "harbor_server.log").exists(), "the server was started anyway"
 
@@ -195,7 +196,7 @@ def test_with_vllm_down_every_check_that_needs_no_server_still_reports(tmp_path,
 def test_a_harbor_server_that_dies_at_start_shows_its_log(rig, tmp_path):
     args, env = embedded([*rig.base_args(), "--tasks", "coin", "--output-dir", "out"], tmp_path)
     args[-1] = f"{sys.executable} -c 'print(\"no such dataset, says the server\"); raise SystemExit(3)'"
-    proc = run_script(args, cwd=tmp_path, **env)
+    proc = run_main(args, cwd=tmp_path, **env)
     refused_with(proc, "Harbor server", "the Harbor server exited with code 3 while starting (log: "
                                         "out/harbor_server.log)")
     assert "no such dataset, says the server" in proc.stdout

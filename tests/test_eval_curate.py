@@ -9,17 +9,10 @@ import math
 import re
 
 import pytest
-from conftest import POLICY, TASKS, Rig, rollouts, run_script
+from conftest import POLICY, TASKS, Rig, rollouts, run_main, run_script
 
 K = 12  # rollouts per task: a coin task lands outside BAND (0 or 12 solves) with p = 5e-4 each
 BAND = "0.05,0.95"
-
-
-@pytest.fixture(scope="module")
-def eval_tier_rig(tmp_path_factory, tiny_model):
-    rig = Rig(tmp_path_factory.mktemp("eval-rig"), tiny_model, ["--no-token-ids"])
-    yield rig
-    rig.stop()
 
 
 def eval_args(rig: Rig, out, *extra: str) -> list[str]:
@@ -60,11 +53,13 @@ def test_eval_only_counts_every_rollout_it_ran(measured):
         assert int(row["solved"]) == sum(r > 0 for r in rewards), task
 
 
-def test_eval_only_loads_no_torch(measured):
+def test_eval_only_loads_no_torch_and_no_web_ui(measured):
     proc, _, _ = measured
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "openenv.harbor.client" in imported, "PYTHONPROFILEIMPORTTIME had no effect"
     assert not {"torch", "transformers", "trl"} & imported
+    # Python reports the blocked `import gradio` too, as it fails at once; a real import brings gradio.* with it.
+    assert not [name for name in imported if name.startswith("gradio.")]
 
 
 def test_curate_keeps_the_tasks_solved_sometimes(measured):
@@ -88,16 +83,16 @@ def test_curated_file_is_a_task_list_the_script_accepts(measured, eval_tier_rig)
     curated = work / "out" / "curated_tasks.txt"
     args = eval_args(eval_tier_rig, work / "again", "--eval-k", "1")
     args[args.index("--tasks") + 1] = f"@{curated}"
-    proc = run_script(args, cwd=work)
+    proc = run_main(args, cwd=work)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(r["task"] for r in csv.DictReader((work / "again" / "pass_rates.csv").open())) == ["coin", "coin2"]
 
 
 def test_curate_from_a_csv_needs_no_server(measured, tmp_path):
     _, _, work = measured
-    proc = run_script(["--curate", str(work / "out" / "pass_rates.csv"), "--band", "0,0.5", "--num-generations", "4",
-                       "--curated-tasks", str(tmp_path / "easy.txt"), "--harbor-url", "http://127.0.0.1:9"],
-                      cwd=tmp_path)
+    proc = run_main(["--curate", str(work / "out" / "pass_rates.csv"), "--band", "0,0.5", "--num-generations", "4",
+                     "--curated-tasks", str(tmp_path / "easy.txt"), "--harbor-url", "http://127.0.0.1:9"],
+                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     listed = [line for line in (tmp_path / "easy.txt").read_text().splitlines() if line and line[0] != "#"]
     assert "never" in listed and "echo-hello" not in listed
@@ -107,7 +102,7 @@ def test_curate_from_a_csv_needs_no_server(measured, tmp_path):
 def test_curate_refuses_a_file_that_is_not_pass_rates(tmp_path):
     bad = tmp_path / "tasks.csv"
     bad.write_text("name,score\nx,1\n")
-    proc = run_script(["--curate", str(bad)], cwd=tmp_path)
+    proc = run_main(["--curate", str(bad)], cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: --curate {bad}: not a pass_rates.csv written by --eval-only (no column errors, k, solved, task)"]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPT, assert_all_slots_free, log_history, rollouts, run_script, script_env, train_args
+from conftest import SCRIPT, Rig, assert_all_slots_free, log_history, rollouts, run_script, script_env, train_args
 
 
 def test_all_failing_rollouts_stop_training_with_the_reason(rig, tmp_path):
@@ -99,23 +99,34 @@ def test_sigterm_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, whole
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_an_engine_scoring_at_another_temperature_moves_ratio_and_kl(make_rig, tmp_path):
+@pytest.fixture(scope="module")
+def skewed_run(tmp_path_factory, tiny_model):
+    """One run read by two tests: an engine that samples at T but reports logprobs at T + 0.3, and a task list whose
+    first task never scores."""
+    work = tmp_path_factory.mktemp("skewed")
+    skewed = Rig(work / "rig", tiny_model, ["--score-temperature-offset", "0.3"])
+    try:
+        proc = run_script(train_args(skewed, work / "out", "--tasks", "broken,coin,coin2,echo-hello", "--max-steps",
+                                     "2", "--save-steps", "2"), cwd=work)
+    finally:
+        skewed.stop()
+    return proc, work / "out"
+
+
+def test_an_engine_scoring_at_another_temperature_moves_ratio_and_kl(skewed_run):
     # The control for the exact ratio of 1 in the training test: the same run against an engine that samples at
     # T but reports logprobs at T + 0.3 must show it.
-    skewed = make_rig("--score-temperature-offset", "0.3")
-    proc = run_script(train_args(skewed, tmp_path / "out", "--max-steps", "1", "--save-steps", "1"), cwd=tmp_path)
+    proc, out = skewed_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    first = log_history(tmp_path / "out")[0]
+    first = log_history(out)[0]
     assert abs(first["ratio"] - 1.0) > 1e-3 or first["kl"] > 1e-4, first
 
 
-def test_a_task_that_never_scores_does_not_pin_the_resume_position(rig, tmp_path):
+def test_a_task_that_never_scores_does_not_pin_the_resume_position(skewed_run):
     # TRL resumes at the first task group that was never trained; a group whose rollouts all failed never is, so
     # every later resume would restart at the broken task and replay all the tasks after it. The script reruns the
     # groups a stop left untrained, but not one that yielded no sample: it would fail again.
-    out = tmp_path / "out"
-    proc = run_script(train_args(rig, out, "--tasks", "broken,coin,coin2,echo-hello", "--max-steps", "2",
-                                 "--save-steps", "2"), cwd=tmp_path)
+    proc, out = skewed_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     broken = [r for _, name, r in rollouts(proc.stdout) if name == "broken"]
     assert broken and all(r is None for r in broken)

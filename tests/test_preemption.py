@@ -15,15 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (POLICY, ROOT, SCRIPT, TASKS, assert_all_slots_free, free_port, log_history, post_json, rollouts,
+from conftest import (POLICY, ROOT, SCRIPT, TASKS, assert_all_slots_free, free_port, load_script, log_history,
+                      post_json, rollouts, run_main,
                       run_script, script_env, train_args)
 from safetensors.torch import load_file
 from test_refusals import assert_refused
-import importlib.util
 
-spec = importlib.util.spec_from_file_location("async_grpo_harbor", ROOT / "async_grpo_harbor.py")
-agh = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(agh)
+agh = load_script()
 
 REQUEUE = 75
 
@@ -213,21 +211,21 @@ def test_a_damaged_multi_gpu_checkpoint_is_not_resumed_from(fsdp_checkpoints, pr
 
 
 def test_resume_auto_refuses_a_run_name_that_changes_per_launch(tmp_path):
-    proc = run_script(["--resume", "auto", "--vllm-url", f"http://127.0.0.1:{free_port()}"], cwd=tmp_path,
-                      SLURM_JOB_ID="")
+    proc = run_main(["--resume", "auto", "--vllm-url", f"http://127.0.0.1:{free_port()}"], cwd=tmp_path,
+                    SLURM_JOB_ID="")
     assert_refused(proc, "--resume auto", "--run-name")
 
 
 def test_resume_auto_starts_fresh_under_slurm(tmp_path):
     # The SLURM job id names the run, so a first launch with nothing to resume goes on to training set-up.
     url = f"http://127.0.0.1:{free_port()}"
-    proc = run_script(["--resume", "auto", "--vllm-url", url], cwd=tmp_path, SLURM_JOB_ID="4242")
+    proc = run_main(["--resume", "auto", "--vllm-url", url], cwd=tmp_path, SLURM_JOB_ID="4242")
     assert_refused(proc, f"vLLM is not reachable at {url}")
 
 
 def test_resume_auto_refuses_when_every_checkpoint_is_unusable(tmp_path):
     (tmp_path / "out" / "checkpoint-3").mkdir(parents=True)
-    proc = run_script(["--resume", "auto", "--output-dir", str(tmp_path / "out")], cwd=tmp_path)
+    proc = run_main(["--resume", "auto", "--output-dir", str(tmp_path / "out")], cwd=tmp_path)
     assert proc.returncode == 2
     assert "warning: skipping" in proc.stderr and "checkpoint-3" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --resume: no usable checkpoint in")

@@ -1,10 +1,11 @@
 """A setup that would train on nothing is refused before any weights load: one line saying what is wrong and what
-to do, exit code 2, no traceback."""
+to do, exit code 2, no traceback. `main()` runs in the test's own process (conftest.run_main); one refusal runs as
+the command a user types."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import free_port, run_script
+from conftest import free_port, run_main, run_script
 
 
 def assert_refused(proc, *needles: str) -> None:
@@ -27,17 +28,21 @@ def assert_refused(proc, *needles: str) -> None:
     (["--save-total-limit", "-1"], ["--save-total-limit must be >= 0 (got -1)"]),
 ])
 def test_impossible_settings(tmp_path, args, needles):
-    assert_refused(run_script(args, cwd=tmp_path), *needles)
+    assert_refused(run_main(args, cwd=tmp_path), *needles)
+
+
+def test_a_refusal_is_one_line_and_exit_code_2_from_the_command_line(tmp_path):
+    assert_refused(run_script(["--num-generations", "1"], cwd=tmp_path), "--num-generations must be >= 2")
 
 
 def test_unreachable_vllm_names_the_url_and_the_command(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
-    assert_refused(run_script(["--vllm-url", url], cwd=tmp_path), url, "vllm serve")
+    assert_refused(run_main(["--vllm-url", url], cwd=tmp_path), url, "vllm serve")
 
 
 def test_unreachable_harbor_server(rig, tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
-    assert_refused(run_script([*rig.base_args(), "--harbor-url", url], cwd=tmp_path), url, "openenv harbor serve")
+    assert_refused(run_main([*rig.base_args(), "--harbor-url", url], cwd=tmp_path), url, "openenv harbor serve")
 
 
 @pytest.mark.parametrize("args, needles", [
@@ -53,7 +58,7 @@ def test_unreachable_harbor_server(rig, tmp_path):
                                                          "MAX_CONCURRENT_ENVS=18"]),
 ])
 def test_unknown_names_are_refused_with_the_valid_ones(rig, tmp_path, args, needles):
-    assert_refused(run_script([*rig.base_args(), *args], cwd=tmp_path), *needles)
+    assert_refused(run_main([*rig.base_args(), *args], cwd=tmp_path), *needles)
 
 
 @pytest.mark.parametrize("content, needles", [
@@ -63,26 +68,25 @@ def test_unknown_names_are_refused_with_the_valid_ones(rig, tmp_path, args, need
 ])
 def test_task_file_errors_name_the_line(rig, tmp_path, content, needles):
     (tmp_path / "tasks.txt").write_text(content)
-    proc = run_script([*rig.base_args(), "--tasks", "@tasks.txt"], cwd=tmp_path)
+    proc = run_main([*rig.base_args(), "--tasks", "@tasks.txt"], cwd=tmp_path)
     assert_refused(proc, *needles)
 
 
 def test_output_dir_of_another_run_needs_resume(rig, tmp_path):
     (tmp_path / "out" / "checkpoint-7").mkdir(parents=True)
     (tmp_path / "out" / "checkpoint-7" / "trainer_state.json").write_text("{}")
-    proc = run_script([*rig.base_args(), "--tasks", "coin", "--output-dir", "out"], cwd=tmp_path)
+    proc = run_main([*rig.base_args(), "--tasks", "coin", "--output-dir", "out"], cwd=tmp_path)
     assert_refused(proc, "already holds checkpoints", "--resume")
     assert (tmp_path / "out" / "checkpoint-7" / "trainer_state.json").read_text() == "{}"
 
 
 def test_resume_without_checkpoint_says_what_it_looked_for(rig, tmp_path):
-    proc = run_script([*rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--resume"], cwd=tmp_path)
+    proc = run_main([*rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--resume"], cwd=tmp_path)
     assert_refused(proc, "--resume: no checkpoint-N in out")
 
 
-def test_engine_without_token_ids_is_refused(make_rig, tmp_path):
+def test_engine_without_token_ids_is_refused(eval_tier_rig, tmp_path):
     # Such an engine makes the proxy refuse every agent call: each rollout would burn its whole agent timeout
     # before returning reward 0 with no trainable turn.
-    eval_rig = make_rig("--no-token-ids")
-    proc = run_script([*eval_rig.base_args(), "--tasks", "coin"], cwd=tmp_path)
+    proc = run_main([*eval_tier_rig.base_args(), "--tasks", "coin"], cwd=tmp_path)
     assert_refused(proc, "--return-tokens-as-token-ids", "--logprobs-mode processed_logprobs")

@@ -5,15 +5,12 @@ the rewards and hands them to TRL's `_score_group`, and reads the advantages off
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT
+from conftest import load_script
 
-spec = importlib.util.spec_from_file_location("async_grpo_harbor", ROOT / "async_grpo_harbor.py")
-agh = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(agh)
+agh = load_script()
 
 pytest.importorskip("trl.experimental.async_grpo.openenv_harness")
 from accelerate import PartialState  # noqa: E402

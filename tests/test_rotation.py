@@ -1,24 +1,20 @@
 """--harness A,B rotates harnesses from one GRPO group to the next: every generation of a group runs the same
 harness (and task), so its advantages compare like with like, and the run's accounting is split per harness. The
-rig's second harness is `mini-swe-agent-twin` (tests/rig/harbor_server.py): every other harness installs itself from
-the network."""
+run is conftest's `trained` (the end-to-end training run), which rotates the rig's two harnesses."""
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
 
-from conftest import TASKS, log_history, run_script, train_args
+from conftest import HARNESSES, TASKS, log_history, run_main
 from test_refusals import assert_refused
 
-HARNESSES = ["mini-swe-agent", "mini-swe-agent-twin"]
 ROLLOUT_HARNESS = re.compile(r"\[harbor\] group (\d+) task \d+ \(([\w-]+)\): .*\bharness ([\w-]+)")
 
 
-def test_each_group_runs_one_harness_and_metrics_are_split_per_harness(rig, tmp_path):
-    out = tmp_path / "out"
-    proc = run_script(train_args(rig, out, "--max-steps", "2", "--save-steps", "2", "--harness", ",".join(HARNESSES)),
-                      cwd=tmp_path)
+def test_each_group_runs_one_harness_and_metrics_are_split_per_harness(trained):
+    proc, out, _, _ = trained
     assert proc.returncode == 0, proc.stderr[-3000:]
     groups = defaultdict(set)
     count = defaultdict(int)
@@ -37,5 +33,5 @@ def test_each_group_runs_one_harness_and_metrics_are_split_per_harness(rig, tmp_
 
 
 def test_every_harness_in_the_list_is_checked(rig, tmp_path):
-    proc = run_script([*rig.base_args(), "--harness", "mini-swe-agent,mini-swe-agnt", "--tasks", TASKS], cwd=tmp_path)
+    proc = run_main([*rig.base_args(), "--harness", "mini-swe-agent,mini-swe-agnt", "--tasks", TASKS], cwd=tmp_path)
     assert_refused(proc, "unknown harness 'mini-swe-agnt'")

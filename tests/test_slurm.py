@@ -7,7 +7,6 @@ their arguments and environment; the wrappers, bash and curl are real.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RIG, ROOT, SCRIPT, free_port
+from conftest import RIG, ROOT, SCRIPT, free_port, load_script
 
 SLURM = ROOT / "slurm"
 SINGLE = SLURM / "single_node.sbatch"
@@ -31,10 +30,7 @@ UV_RUN = ["run", "--no-project", "--python", "3.12", "--with-requirements", str(
 
 
 def script_default(flag: str) -> str:
-    spec = importlib.util.spec_from_file_location("async_grpo_harbor_defaults", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build_parser().get_default(flag)
+    return load_script().build_parser().get_default(flag)
 
 
 def standin_env(tmp_path: Path, log: Path) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """Training end to end on CPU: the real Harbor server, capture proxy, Harbor trial + verifier, mini-swe-agent,
-our session factory and TRL's real worker and trainer; only the engine, sandbox and CUDA pieces stand in."""
+our session factory and TRL's real worker and trainer; only the engine, sandbox and CUDA pieces stand in. The run is
+conftest's `trained`: the README's one command, with two harnesses rotated per group (test_rotation reads it too)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,12 @@ import math
 import re
 import urllib.request
 from collections import defaultdict
-from datetime import datetime, timezone
+from datetime import datetime
 
 import pytest
-from conftest import (MAX_MODEL_LEN, SECRETS, assert_all_slots_free, default_filter, embedded, log_history, rollouts,
-                      run_script, train_args)
+from conftest import (MAX_MODEL_LEN, SECRETS, assert_all_slots_free, default_filter, log_history, rollouts, run_script,
+                      train_args)
 from safetensors.torch import load_file
-
-@pytest.fixture(scope="module")
-def trained(rig, tmp_path_factory):
-    # The README's one command: no --harbor-url, so the script runs its own Harbor server.
-    work = tmp_path_factory.mktemp("train")
-    before = (len(rig.engine_stats()["chat"]), datetime.now(timezone.utc))
-    args, env = embedded(default_filter(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1",
-                                                   "--report-to", "trackio", "--project", "e2e")), work)
-    proc = run_script(args, cwd=work, HF_HOME=str(work / "hf"), TRACKIO_DIR=str(work / "trackio"), **SECRETS, **env)
-    return proc, work / "out", rig, before
 
 
 def test_trains_three_steps_and_saves_the_model(trained):
@@ -59,8 +50,7 @@ def test_first_step_scores_exactly_what_the_engine_sampled(trained):
 
 
 def test_engine_sampled_at_the_trainers_temperature(trained):
-    proc, _, rig, before = trained
-    chats = rig.engine_stats()["chat"][before[0]:]
+    proc, _, _, (chats, _) = trained
     # Left out: tool-less probes ("reply", the proxy's and the preflight's) and the preflight's tool probe, which names
     # no task: each probes a sampling setting on purpose.
     agent_calls = [c for c in chats if c["script"] != "reply" and not c["script"].endswith(":unknown")]
