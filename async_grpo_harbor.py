@@ -88,8 +88,6 @@ DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
 ROLLOUTS_FAILING = "harbor rollouts failing:"
 # The same, for a long run of groups whose rewards were all equal (nothing left to learn from).
 NO_SIGNAL = "harbor groups carry no signal:"
-# In the output dir: TRL's rollout child's tracebacks, once the script stopped the run (the console gets one line).
-WORKER_LOG = "rollout_worker.log"
 # EX_TEMPFAIL: "stopped on request, a checkpoint holds everything; relaunch me". SLURM wrappers requeue on it.
 REQUEUE_EXIT_CODE = 75
 
@@ -743,7 +741,7 @@ class HarborSessionFactory:
     def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
                  agent_timeout_s: float, max_consecutive_failures: int, retry_window_s: float = 300.0,
                  sampling: dict[str, Any] | None = None, require_tokens: bool = True, record_path: str = "",
-                 reward_fn: Any = None, eval_sampling: dict[str, Any] | None = None, worker_log: str = ""):
+                 reward_fn: Any = None, eval_sampling: dict[str, Any] | None = None):
         self.harbor_url = harbor_url
         self.harness = harness
         self.sandbox = sandbox
@@ -761,7 +759,6 @@ class HarborSessionFactory:
         self.record_path = record_path
         self.reward_fn = reward_fn
         # Where TRL's rollout child's stderr goes once this factory stops the run: the trainer says why in one line.
-        self.worker_log = worker_log
         self._lock = threading.Lock()
         self._consecutive_failures = 0
         self._outage_since: float | None = None  # since when the server has not answered (monotonic)
@@ -853,16 +850,8 @@ class HarborSessionFactory:
             self._stop_run(f"{count} consecutive rollouts were unscorable; the last: {failure.message[:300]}")
 
     def _stop_run(self, reason: str) -> None:
-        """Stop training, through the one channel TRL offers: a ValueError out of `fetch_training_trace()`.
-
-        TRL's rollout child prints that error's traceback three times on its way out; the trainer says why in one
-        line, so the child's stderr goes to `worker_log` from here on.
-        """
-        if self.worker_log:
-            sys.stderr.flush()
-            fd = os.open(self.worker_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(fd, 2)
-            os.close(fd)
+        """Stop training, through the one channel TRL offers: a ValueError out of `fetch_training_trace()`, which the
+        script's rollout loop hands to the trainer without a traceback; the trainer says why in one line."""
         raise ValueError(redact(f"{ROLLOUTS_FAILING} {reason}"))
 
     def _write_record(self, session: HarborSession) -> None:
@@ -2663,8 +2652,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             HarborSessionFactory, harbor_url=args.harbor_url, harness=harness_names(args.harness)[0],
             sandbox=args.sandbox, reward_key=args.reward_key, agent_step_limit=args.agent_step_limit,
             agent_timeout_s=args.agent_timeout, max_consecutive_failures=args.max_consecutive_failures,
-            retry_window_s=args.harbor_retry_window, record_path=records, reward_fn=reward_fn,
-            worker_log=os.path.join(args.output_dir, WORKER_LOG)),
+            retry_window_s=args.harbor_retry_window, record_path=records, reward_fn=reward_fn),
         rollout_reward_fn=reward_fn, efficiency_weight=args.efficiency_weight,
         max_zero_variance_groups=args.max_zero_variance_groups,
     )
@@ -2806,7 +2794,7 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
                 reason += (f" (the Harbor server this script started exited with code {server.proc.returncode}; "
                            f"its log: {server.log_path})")
             print(f"error: training stopped: {reason}. Fix the cause, then relaunch with --output-dir "
-                  f"{args.output_dir} --resume (details: {os.path.join(args.output_dir, WORKER_LOG)})",
+                  f"{args.output_dir} --resume",
                   file=sys.stderr)
             return 1
         if NO_SIGNAL in cause:

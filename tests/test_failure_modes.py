@@ -24,10 +24,10 @@ def test_all_failing_rollouts_stop_training_with_the_reason(rig, tmp_path):
     # Rollouts in flight when the sixth failed may be counted too.
     assert re.match(r"error: training stopped: ([6-9]|\d\d) consecutive rollouts were unscorable", last), last
     assert "sandbox backend unreachable" in last and "--resume" in last
-    # One line on the console; TRL's rollout child's tracebacks go to a log file.
+    # One line on the console: the script's rollout loop hands its stop to the trainer without TRL's tracebacks.
     console = proc.stdout + proc.stderr
     assert [line for line in console.splitlines() if line.startswith("error:")] == [last]
-    assert "Traceback" not in console and "Traceback" in (tmp_path / "out" / "rollout_worker.log").read_text()
+    assert "Traceback" not in console
     assert all(reward is None for _, _, reward in rollouts(proc.stdout))
     assert_all_slots_free(rig)
 
@@ -211,7 +211,7 @@ def test_a_harbor_server_restart_loses_no_rollout_and_a_dead_one_ends_the_run_in
     # Decided once for the run, after the whole window: not per rollout, --max-consecutive-failures (32) rollouts
     # over. The margin is the trainer noticing (it may be mid-step) and the rollout child's exit, on a loaded machine.
     assert RETRY_WINDOW <= gone_s < RETRY_WINDOW + 90
-    assert "Traceback" not in console and "Traceback" in (out / "rollout_worker.log").read_text()
+    assert "Traceback" not in console
     last = out / f"checkpoint-{max(saved, steps_saved())}"
     assert agh.checkpoint_problem(last) is None
     assert AutoModelForCausalLM.from_pretrained(last).num_parameters() > 0
