@@ -36,26 +36,31 @@ def launch(args: list[str], cwd: Path, stop_when) -> tuple[int, str]:
     proc = subprocess.Popen(command, cwd=cwd, env=script_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="600"), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
-    seen = threading.Event()
+    reached, ended = threading.Event(), threading.Event()
 
     def read():
         for line in proc.stdout:
             lines.append(line)
-            if stop_when("".join(lines)):
-                seen.set()
+            if not reached.is_set() and stop_when("".join(lines)):
+                reached.set()
+                ended.set()
+        ended.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    code = None
     try:
-        assert seen.wait(900), "".join(lines)[-5000:]
-        os.killpg(proc.pid, signal.SIGTERM)
-        code = proc.wait(timeout=900)
-        reader.join(timeout=10)
+        ended.wait(900)
+        if reached.is_set():
+            os.killpg(proc.pid, signal.SIGTERM)
+            code = proc.wait(timeout=900)
+            reader.join(timeout=10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    output = "".join(lines)
-    print(f"$ accelerate launch --num_processes {RANKS} async_grpo_harbor.py {' '.join(args)}\n{output[-30000:]}")
+        output = "".join(lines)
+        print(f"$ accelerate launch --num_processes {RANKS} async_grpo_harbor.py {' '.join(args)}\n{output[-30000:]}")
+    assert reached.is_set(), "the run ended, or never got to the point to stop it at"
     return code, output
 
 
