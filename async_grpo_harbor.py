@@ -447,7 +447,11 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
         return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
                                      f"{', '.join(sorted(r.rewards))}")
     if not r.ok:
-        return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}")
+        # Measured on a real vLLM: a turn cap at or above max_model_len gets HTTP 400 on every call, which the
+        # proxy reports as "no model calls", naming only the base URL.
+        hint = ("; or vLLM refused every call: the Harbor server's --max-output-tokens must be below vLLM's "
+                "--max-model-len (its log shows the 400s)") if "no_turns" in (r.error or "") else ""
+        return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}{hint}")
     if r.rollout_type != "train" and require_tokens:
         return Failure("eval_tier", "the engine returned no token ids / processed logprobs (eval tier): restart vLLM "
                                     "with --return-tokens-as-token-ids --logprobs-mode processed_logprobs")
@@ -847,7 +851,7 @@ class HarborSessionFactory:
         if failure is not None and failure.kind == SERVER_GONE:
             self._stop_run(failure.message)
         if failure is not None and count >= self.max_consecutive_failures:
-            self._stop_run(f"{count} consecutive rollouts were unscorable; the last: {failure.message[:300]}")
+            self._stop_run(f"{count} consecutive rollouts were unscorable; the last: {failure.message[:500]}")
 
     def _stop_run(self, reason: str) -> None:
         """Stop training, through the one channel TRL offers: a ValueError out of `fetch_training_trace()`, which the
@@ -1593,7 +1597,7 @@ def check_reward(args: argparse.Namespace, pf: Preflight, split: str, task: dict
     if r.reward is not None:
         pf.add("reward key", PASS, f"{key!r} = {r.reward:g} ({', '.join(sorted(r.rewards)) or 'none'} emitted)")
     if failure is not None:
-        pf.add("probe rollout", FAIL, f"{where}: {failure.message[:300]}",
+        pf.add("probe rollout", FAIL, f"{where}: {failure.message[:500]}",
                f"read the agent log tail: {r.agent_log_tail[-200:]!r}" if r.agent_log_tail else "")
     else:
         pf.add("probe rollout", PASS if r.rollout_type == "train" else FAIL,

@@ -101,7 +101,7 @@ def stack(tmp_path_factory):
         harbor_port = free_port()
         harbor = Service("harbor server", [os.environ.get("AGH_SERVER_PYTHON", sys.executable), str(RIG / "harbor_server.py"),
                                            "--dataset", str(TASKS), "--llm-url", f"{vllm_url}/v1", "--model", str(model),
-                                           "--host", "127.0.0.1",
+                                           "--max-output-tokens", "64", "--host", "127.0.0.1",
                                            "--port", str(harbor_port), "--capture-port", str(free_port()), "--expose",
                                            "direct"],
                          work / "harbor.log", f"http://127.0.0.1:{harbor_port}/harbor_env/splits",
