@@ -1216,6 +1216,11 @@ def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str) -> N
                f"({model_shape_error(args)})")
     elif served_dtype == trains:
         pf.add("dtype", PASS, f"vLLM serves {served_dtype}, the trainer's weights are {trains} (--dtype {args.dtype})")
+    elif (served_dtype, trains) == ("bfloat16", "float32"):
+        # The README's set-up: on 2 x H200 its step-1 importance ratio was 1.0007 (bench/results/2026-12-01-h200.md).
+        pf.add("dtype", PASS, f"vLLM serves bfloat16, the trainer keeps float32 weights (--dtype float32) and scores "
+               "under bfloat16 autocast; each push rounds them to bfloat16 (TRL's start-up warning about this is "
+               "expected)")
     else:
         pf.add("dtype", WARN, f"vLLM serves {served_dtype}, the trainer's weights are {trains} (--dtype {args.dtype}); "
                "TRL warns about this at start too. Each push rounds them to the served dtype, and the precision gap "
