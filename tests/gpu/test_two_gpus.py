@@ -79,7 +79,7 @@ def rows(stdout: str) -> dict[str, tuple[str, str]]:
     return {name.strip(): (status, detail) for status, name, detail in ROW.findall(stdout)}
 
 
-def engine_logprobs(vllm_url: str, model: str, n: int = 16) -> tuple[list[int], list[float]]:
+def engine_logprobs(vllm_url: str, model: str, n: int = 64) -> tuple[list[int], list[float]]:
     reply = post_json(f"{vllm_url}/v1/completions", {
         "model": model, "prompt": PROMPT_IDS, "max_tokens": n, "temperature": 0.0, "logprobs": 0,
         "return_token_ids": True, "ignore_eos": True}, timeout=120)["choices"][0]
@@ -137,7 +137,7 @@ def test_trains_three_steps_with_nccl_pushes_into_vllm(stack):
     served = get_json(f"{vllm_url}/v1/models")["data"][0]["id"]
     ids_before, lp_before = engine_logprobs(vllm_url, served)
     proc = run_script([*stack["base"], "--num-generations", "4", "--max-inflight", "8", "--micro-batches-per-step",
-                       "1", "--max-steps", "3", "--save-steps", "3", "--learning-rate", "1e-4", "--temperature",
+                       "1", "--max-steps", "3", "--save-steps", "3", "--learning-rate", "1e-3", "--temperature",
                        "1.0", "--output-dir", str(out), "--run-name", "gpu-smoke"], work, 1200,
                       CUDA_VISIBLE_DEVICES="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -167,7 +167,8 @@ def test_trains_three_steps_with_nccl_pushes_into_vllm(stack):
         return sum(abs(a - b) for a, b in zip(lp_after, ref)) / len(ref)
 
     # vLLM's kernels and transformers' differ in bf16 (the tiny model's logits are scaled x5: seen up to 0.17 per
-    # token), so the engine must be nearer the trained model than the model it started with, not equal to it.
+    # token, 0.012-0.015 on average), so the engine must be nearer the trained model than the model it started with,
+    # not equal to it; at lr 1e-4 three steps moved these logprobs less than that noise, hence 1e-3 here.
     to_trained, to_initial = mean_gap(reference(out)), mean_gap(reference(stack["model"]))
     print(f"engine logprobs moved by up to {moved:.4f}; after training, mean |vllm - model| per token: trained "
           f"{to_trained:.4f}, initial {to_initial:.4f}", flush=True)
