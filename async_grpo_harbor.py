@@ -446,12 +446,15 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
     if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
         return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
                                      f"{', '.join(sorted(r.rewards))}")
+    budget = next((x for x in r.findings if "context_budget_exhausted" in x), None)
+    if not r.ok and budget and "no_turns" in (r.error or ""):
+        # Seen on a real vLLM: it refuses a call whose prompt + max_tokens exceed its context (HTTP 400), the proxy
+        # turns that into a stop the agent obeys, and the rollout's own error then blames the base URL.
+        return Failure("context", f"vLLM refused the agent's first call as too long for its context ({budget[:240]}): "
+                                  "the Harbor server's --max-output-tokens (this script's --max-completion-length) "
+                                  "plus the task's prompt must fit vLLM's --max-model-len")
     if not r.ok:
-        # Measured on a real vLLM: a turn cap at or above max_model_len gets HTTP 400 on every call, which the
-        # proxy reports as "no model calls", naming only the base URL.
-        hint = ("; or vLLM refused every call: the Harbor server's --max-output-tokens must be below vLLM's "
-                "--max-model-len (its log shows the 400s)") if "no_turns" in (r.error or "") else ""
-        return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}{hint}")
+        return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}")
     if r.rollout_type != "train" and require_tokens:
         return Failure("eval_tier", "the engine returned no token ids / processed logprobs (eval tier): restart vLLM "
                                     "with --return-tokens-as-token-ids --logprobs-mode processed_logprobs")
@@ -1205,28 +1208,38 @@ def check_capture_tier(pf: Preflight, report: Any, logprobs_mode: str | None) ->
                "make sure vLLM runs with --logprobs-mode processed_logprobs")
 
 
-def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str) -> None:
-    """What TRL compares at start (`WeightTransferClient.init_weight_transfer`): the trainer's weight dtype (its
-    `dtype`, pushed as is) against the dtype vLLM serves."""
+def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str, on_gpu: bool | None = None) -> None:
+    """The precision the trainer scores at against the one vLLM samples at: on a GPU the trainer computes under bf16
+    autocast whatever its weights are (build_trainer's bf16=True; accelerate wraps the forward), elsewhere in its
+    weights' dtype. TRL's own start-up warning compares weight dtypes only."""
+    if on_gpu is None:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
     trains = trainer_dtype(args)
+    computes = "bfloat16" if on_gpu else trains
+    weights = f"the trainer's weights are {trains} (--dtype {args.dtype})"
     if not served_dtype:
         pf.add("dtype", WARN, "vLLM did not report its dtype")
-    elif trains is None:
+    elif computes is None:
         pf.add("dtype", WARN, f"vLLM serves {served_dtype}; --dtype auto could not be resolved "
                f"({model_shape_error(args)})")
-    elif served_dtype == trains:
-        pf.add("dtype", PASS, f"vLLM serves {served_dtype}, the trainer's weights are {trains} (--dtype {args.dtype})")
-    elif (served_dtype, trains) == ("bfloat16", "float32"):
-        # The README's set-up: on 2 x H200 its step-1 importance ratio was 1.0007 (bench/results/2026-12-01-h200.md).
-        pf.add("dtype", PASS, f"vLLM serves bfloat16, the trainer keeps float32 weights (--dtype float32) and scores "
-               "under bfloat16 autocast; each push rounds them to bfloat16 (TRL's start-up warning about this is "
-               "expected)")
+    elif served_dtype == computes == trains:
+        pf.add("dtype", PASS, f"vLLM serves {served_dtype}, {weights}")
+    elif served_dtype == computes:
+        # 2 x H200: step-1 importance ratio 1.0004, kl 0.002 (bench/results/2026-12-01-h200.md).
+        pf.add("dtype", PASS, f"vLLM serves bfloat16 and the trainer scores under bfloat16 autocast; {weights}, "
+               "rounded to bfloat16 by each push (TRL's start-up warning about this is expected)")
+    elif on_gpu:
+        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, the trainer scores under bfloat16 autocast on GPU "
+               f"whatever its weights ({trains}): the precision gap shows up in every importance ratio",
+               "serve with vLLM's --dtype bfloat16")
     else:
-        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, the trainer's weights are {trains} (--dtype {args.dtype}); "
-               "TRL warns about this at start too. Each push rounds them to the served dtype, and the precision gap "
-               "between trainer and server shows up in the importance ratio",
-               f"serve with vLLM's --dtype {trains} to match (float32: twice vLLM's weight memory), or train in "
-               f"{served_dtype} after reading --dtype's help (its risk at small learning rates)")
+        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, {weights}; TRL warns about this at start too. Each push "
+               "rounds them to the served dtype, and the precision gap between trainer and server shows up in the "
+               "importance ratio",
+               f"serve with vLLM's --dtype {trains} to match, or train in {served_dtype} after reading --dtype's help "
+               "(its risk at small learning rates)")
 
 
 @functools.cache
@@ -1265,7 +1278,13 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
 
     facts: dict[str, Any] = {}
     dtype = trainer_dtype(args)
-    if dtype in ("bfloat16", "float16", "float32"):
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and dtype not in (None, "float32"):
+        # accelerate's FSDP2 prepare upcasts trainable parameters to float32 after TRL has told vLLM their dtype,
+        # so every push would send other bytes than vLLM expects (fsdp_utils: "Upcast to fp32 master weights").
+        pf.add("precision", FAIL, f"--dtype {args.dtype} under FSDP: accelerate upcasts the weights to float32 "
+               f"after TRL announced them to vLLM as {dtype}, so weight pushes would not match",
+               "--dtype float32 (FSDP keeps float32 weights anyway and computes in bf16)")
+    elif dtype in ("bfloat16", "float16", "float32"):
         # An AdamW step moves a weight by about the learning rate. Below half the dtype's spacing at a typical
         # weight (0.02, Qwen3's initializer range) the sum rounds back to the old weight: no update at all.
         typical = 0.02

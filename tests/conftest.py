@@ -39,6 +39,9 @@ SECRETS = {"E2B_API_KEY": "e2b_fake4f2a9c1d77", "HF_TOKEN": "hf_fake8812bb0c3e",
 # A rollout here is ~1.2k tokens, mostly the shared system prompt; TRL packs samples by unique tokens up to
 # max_model_len, so a small context closes a micro-batch every few samples.
 MAX_MODEL_LEN = 1600
+# What one agent turn may generate: the first prompt (~1.1k) plus this must fit MAX_MODEL_LEN, or the engine refuses
+# every call, as vLLM does.
+MAX_OUTPUT_TOKENS = 256
 
 
 def free_port() -> int:
@@ -126,7 +129,8 @@ class Rig:
             "harbor server", [os.environ["AGH_SERVER_PYTHON"], str(RIG / "harbor_server.py"),
                               "--dataset", str(RIG / "tasks"), "--llm-url", f"{self.engine_url}/v1",
                               "--host", "127.0.0.1", "--port", self.harbor_url.rsplit(":", 1)[1],
-                              "--capture-port", str(free_port()), "--expose", "direct"],
+                              "--capture-port", str(free_port()), "--expose", "direct",
+                              "--max-output-tokens", str(MAX_OUTPUT_TOKENS)],
             log, f"{self.harbor_url}/harbor_env/splits",
             env={**SECRETS, "MAX_CONCURRENT_ENVS": str(self.max_concurrent_envs),
                  "RIG_SANDBOX_DIR": str(self.workdir / "sandboxes"),
@@ -144,7 +148,7 @@ class Rig:
     def base_args(self) -> list[str]:
         return ["--model", str(self.model_dir), "--vllm-url", self.engine_url, "--harbor-url", self.harbor_url,
                 "--dataset", self.split, "--harness", "mini-swe-agent", "--sandbox", "local",
-                "--num-generations", "4", "--max-inflight", "4",
+                "--num-generations", "4", "--max-inflight", "4", "--max-completion-length", str(MAX_OUTPUT_TOKENS),
                 "--reward-key", "correct,reward", "--report-to", "none"]
 
     def stop(self) -> None:

@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import SCRIPT, SECRETS, embedded, free_port, run_main, run_script, script_env
+from conftest import SCRIPT, SECRETS, embedded, free_port, load_script, run_main, run_script, script_env
 
 ROW = re.compile(r"^  (PASS|WARN|FAIL|SKIP)  (\S+(?: \S+)*)\s{2,}(.*)$", re.M)
 
@@ -83,6 +83,17 @@ def test_a_reward_key_the_tasks_do_not_emit_names_the_ones_they_do(rig, tmp_path
     refused_with(proc, "reward key", "--reward-key 'score' is not emitted by coin2; it emits: correct, format")
 
 
+def test_a_turn_cap_the_context_cannot_hold_is_named_not_blamed_on_the_base_url(rig, tmp_path):
+    # The server this script starts caps turns at --max-completion-length; 1024 + the ~1.1k first prompt exceed the
+    # rig's 1,600-token context, which vLLM (and the stand-in) refuse with a 400 on every call.
+    args, env = embedded([*rig.base_args(), "--tasks", "coin2", "--check", "--probe-rollout", "--agent-step-limit",
+                          "2", "--max-completion-length", "1024", "--output-dir", "out"], tmp_path)
+    proc = run_main(args, cwd=tmp_path, **env)
+    refused_with(proc, "probe rollout", "vLLM refused the agent's first call as too long for its context",
+                 "--max-completion-length) plus the task's prompt must fit vLLM's --max-model-len")
+    assert "wrong base URL" not in proc.stderr
+
+
 @pytest.mark.parametrize("engine_flags, failing", [
     # Without dev mode the capture tier is measured (two temperatures); with it, vLLM's config says so.
     (["--logprobs-mode", "raw_logprobs", "--no-tool-parser", "--no-dev-mode"],
@@ -115,19 +126,45 @@ def test_a_served_bfloat16_is_compared_with_the_trainers_weights_as_trl_compares
     engine = make_rig("--dtype", "auto", harbor=False)
     dead = ["--harbor-url", f"http://127.0.0.1:{free_port()}", "--tasks", "coin", "--check"]
     fp32 = table(run_script([*engine.base_args(), *dead], cwd=tmp_path).stdout)
-    # The README's set-up, measured on two H200s (step-1 importance ratio 1.0007): no warning users learn to ignore.
-    assert fp32["dtype"][0] == "PASS" and fp32["dtype"][1].startswith(
-        "vLLM serves bfloat16, the trainer keeps float32 weights (--dtype float32) and scores under bfloat16"), fp32
+    # On CPU the trainer scores in its weights' dtype: float32 against a bf16 engine is a real gap.
+    assert fp32["dtype"][0] == "WARN" and fp32["dtype"][1].startswith(
+        "vLLM serves bfloat16, the trainer's weights are float32 (--dtype float32); TRL warns about this"), fp32
     assert fp32["precision"][0] == "PASS"
-    fp16 = table(run_script([*engine.base_args(), *dead, "--dtype", "float16"], cwd=tmp_path).stdout)
-    assert fp16["dtype"][0] == "WARN" and fp16["dtype"][1].startswith(
-        "vLLM serves bfloat16, the trainer's weights are float16 (--dtype float16); TRL warns about this"), fp16
     bf16 = table(run_script([*engine.base_args(), *dead, "--dtype", "bfloat16"], cwd=tmp_path).stdout)
     assert bf16["dtype"] == ("PASS", "vLLM serves bfloat16, the trainer's weights are bfloat16 (--dtype bfloat16)")
     # ... and at the default learning rate (1e-6) its updates would not land.
     assert bf16["precision"][0] == "WARN" and "below half the bfloat16 spacing at |w| = 0.02 (6.1e-05)" in \
         bf16["precision"][1], bf16["precision"]
     assert "~1.2 MB each (0.21 M params x 6 B: bfloat16" in bf16["checkpoints"][1], bf16["checkpoints"]
+
+
+def test_a_low_precision_trainer_under_fsdp_is_refused_before_its_pushes_mismatch(rig, tmp_path):
+    # accelerate launch with slurm/fsdp2.yaml sets this; FSDP2 upcasts the weights after TRL announced their dtype.
+    proc = run_main([*rig.base_args(), "--tasks", "coin", "--dtype", "bfloat16", "--learning-rate", "1e-3",
+                     "--check"], cwd=tmp_path, ACCELERATE_USE_FSDP="true")
+    refused_with(proc, "precision", "--dtype bfloat16 under FSDP", "--dtype float32 (FSDP keeps float32 weights")
+
+
+def test_on_a_gpu_the_served_dtype_is_judged_against_bf16_autocast_whatever_the_weights(tiny_model):
+    # accelerate runs the trainer's forward under bf16 autocast on CUDA (build_trainer's bf16=True), so the engine
+    # must serve bfloat16 whatever --dtype is; TRL's own warning compares weight dtypes only.
+    script = load_script()
+    rows = {}
+    for served, dtype in [("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float32", "float32"),
+                          ("float16", "float16")]:
+        pf = script.Preflight()
+        script.check_dtype(script.parse_args(["--model", str(tiny_model), "--dtype", dtype]), pf, served, on_gpu=True)
+        rows[served, dtype] = pf.rows[0]
+    assert rows["bfloat16", "float32"][1:3] == ("PASS", "vLLM serves bfloat16 and the trainer scores under bfloat16 "
+                                                "autocast; the trainer's weights are float32 (--dtype float32), "
+                                                "rounded to bfloat16 by each push (TRL's start-up warning about this "
+                                                "is expected)")
+    assert rows["bfloat16", "bfloat16"][1] == "PASS"
+    for served, dtype in [("float32", "float32"), ("float16", "float16")]:
+        check, status, detail, fix = rows[served, dtype]
+        assert status == "WARN" and detail.startswith(f"vLLM serves {served}, the trainer scores under bfloat16 "
+                                                      "autocast on GPU"), detail
+        assert fix == "serve with vLLM's --dtype bfloat16"
 
 
 def test_the_precision_row_is_what_adamw_does():

@@ -123,7 +123,15 @@ class Engine:
         decision, reply = self._script(messages, tools, index)
         completion_ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_id]
         caps = [c for c in (body.get("max_completion_tokens"), body.get("max_tokens")) if c is not None]
-        cap = min(caps + [self.max_model_len - len(prompt_ids)])
+        room = self.max_model_len - len(prompt_ids)
+        if caps and min(caps) > room:
+            # vLLM refuses rather than clamps (seen on 0.26 on H200: every call of a rollout, when the Harbor server's
+            # --max-output-tokens did not fit the context); the capture proxy reads this text as a budget stop.
+            raise HTTPError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {min(caps)}. This model's "
+                                 f"maximum context length is {self.max_model_len} tokens and your request has "
+                                 f"{len(prompt_ids)} input tokens ({min(caps)} > {self.max_model_len} - "
+                                 f"{len(prompt_ids)}).")
+        cap = min(caps + [room])
         truncated = len(completion_ids) > cap
         completion_ids = completion_ids[:cap]
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
