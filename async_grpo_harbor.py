@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import difflib
 import functools
 import http.client
@@ -95,25 +96,46 @@ REQUEUE_EXIT_CODE = 75
 # ----------------------------------------------------------------------------------------------------------------------
 # Arguments
 # ----------------------------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser(trl_fields: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """The script's flags; with AsyncGRPOConfig's fields (parse_trl_args), a TrlParser that declares the ones the
+    script sets a default for as TRL does, in the script's groups, with its default and help."""
+    if trl_fields is not None:
+        from trl import TrlParser
+    p = (argparse.ArgumentParser if trl_fields is None else TrlParser)(
         description="RL-train a model on a Harbor task suite through a loop-owning harness with TRL AsyncGRPO.",
+        usage="%(prog)s [--config RECIPE_YAML] [--flag VALUE ...]  (--help-all: every AsyncGRPOConfig field too)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         # `--mod X` must not silently mean --model: the SLURM wrappers read flags from the same command line.
         allow_abbrev=False,
     )
+
+    def trl_field(g, name: str, default: Any, help: str, **kw: Any) -> None:
+        if trl_fields is None:  # --help and a plain launch: TRL's declaration costs a 5 s import, this one nothing
+            g.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, help=help, **kw)
+            return
+        field = trl_fields.pop(name)
+        field.default, field.metadata = default, {**field.metadata, "help": help}
+        TrlParser._parse_dataclass_field(g, field)  # HfArgumentParser's own declaration of a field, into this group
+
+    p.add_argument("--config", metavar="RECIPE_YAML",
+                   help="A recipe, as in TRL's scripts: YAML of any flag of this script or AsyncGRPOConfig field by "
+                        "its underscored name (`agent_step_limit: 20`, `epsilon_high: 0.28`), and an optional `env:` "
+                        "mapping. The command line overrides it.")
+    p.add_argument("--help-all", action="store_true",
+                   help="--help, then every other AsyncGRPOConfig field (TRL's and transformers' TrainingArguments), "
+                        "each accepted as --name-with-dashes, --name_with_underscores and a recipe key.")
     g = p.add_argument_group("policy and engine")
     g.add_argument("--model", default="Qwen/Qwen3-4B-Instruct-2507",
                    help="Model to train (hub id or local dir). Must be the model vLLM serves: its weights are "
                         "replaced in vLLM after every optimizer step.")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                   help="The trainer's weights and AdamW state (TRL's AsyncGRPOConfig.dtype; GPUs compute under bf16 "
-                        "autocast either way). float32: every update lands, at 16 B/param (weights, gradients, two "
-                        "moments), 12 B/param per checkpoint and 4 B/param per weight push; Qwen3-4B peaked at 75.1 "
-                        "GiB with 16k-token rows and 90.4 GiB with 32k (one H200). bfloat16: 54.4 GiB at 32k, half the "
-                        "push, vLLM's own precision, but a weight of 0.02 moves only in steps of 1.2e-4, so an AdamW "
-                        "step of ~--learning-rate below half that (1e-6 is) rounds to no change: training silently "
-                        "stops. float16: the same risk. auto: the checkpoint's dtype (bfloat16 for Qwen3).")
+    trl_field(g, "dtype", "float32", choices=["float32", "bfloat16", "float16", "auto"],
+              help="The trainer's weights and AdamW state (TRL's AsyncGRPOConfig.dtype; GPUs compute under bf16 "
+                   "autocast either way). float32: every update lands, at 16 B/param (weights, gradients, two "
+                   "moments), 12 B/param per checkpoint and 4 B/param per weight push; Qwen3-4B peaked at 75.1 "
+                   "GiB with 16k-token rows and 90.4 GiB with 32k (one H200). bfloat16: 54.4 GiB at 32k, half the "
+                   "push, vLLM's own precision, but a weight of 0.02 moves only in steps of 1.2e-4, so an AdamW "
+                   "step of ~--learning-rate below half that (1e-6 is) rounds to no change: training silently "
+                   "stops. float16: the same risk. auto: the checkpoint's dtype (bfloat16 for Qwen3).")
     g.add_argument("--vllm-url", default="http://localhost:8000",
                    help="Base URL of `vllm serve` (no /v1). The trainer pushes weights there over NCCL.")
 
@@ -161,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Seconds the agent may run per rollout; 0 uses the task's own timeout.")
 
     g = p.add_argument_group("GRPO")
-    g.add_argument("--num-generations", type=int, default=8,
-                   help="Rollouts per task per group; advantages compare rollouts of the same task (>= 2).")
+    trl_field(g, "num_generations", 8,
+              help="Rollouts per task per group; advantages compare rollouts of the same task (>= 2).")
     g.add_argument("--micro-batches-per-step", type=int, default=4,
                    help="Micro-batches per optimizer step. TRL packs each micro-batch with rollouts up to vLLM's "
                         "max_model_len tokens (its token budget: no rollout can be longer, so none is dropped), so "
@@ -170,20 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-inflight", type=int, default=16,
                    help="Rollouts running at once (= sandboxes alive at once). Size the Harbor server's "
                         "MAX_CONCURRENT_ENVS to at least twice this.")
-    g.add_argument("--max-staleness", type=int, default=4,
-                   help="Optimizer steps a rollout may lag the current policy before it is dropped. Never below 1 in "
-                        "practice: accelerate prefetches one batch.")
-    g.add_argument("--temperature", type=float, default=1.0,
-                   help="Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
-    g.add_argument("--max-completion-length", type=int, default=1024,
-                   help="Tokens per model call (an agent turn). The Harbor server this script starts caps every turn "
-                        "there (its --max-output-tokens); a server of yours needs that flag set to match. An agent "
-                        "turn is a thought and one command: 30 turns x 1024 fit a 32k context.")
-    g.add_argument("--learning-rate", type=float, default=1e-6,
-                   help="AdamW learning rate, constant: the number of rollouts per step varies with their length, "
-                        "so a decay horizon in steps means little.")
-    g.add_argument("--max-steps", type=int, default=500,
-                   help="Optimizer steps to train; the run's only stop condition (tasks are cycled).")
+    trl_field(g, "max_staleness", 4,
+              help="Optimizer steps a rollout may lag the current policy before it is dropped. Never below 1 in "
+                   "practice: accelerate prefetches one batch.")
+    trl_field(g, "temperature", 1.0,
+              help="Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
+    trl_field(g, "max_completion_length", 1024,
+              help="Tokens per model call (an agent turn). The Harbor server this script starts caps every turn "
+                   "there (its --max-output-tokens); a server of yours needs that flag set to match. An agent "
+                   "turn is a thought and one command: 30 turns x 1024 fit a 32k context.")
+    trl_field(g, "learning_rate", 1e-6,
+              help="AdamW learning rate, constant: the number of rollouts per step varies with their length, "
+                   "so a decay horizon in steps means little.")
+    trl_field(g, "max_steps", 500, help="Optimizer steps to train; the run's only stop condition (tasks are cycled).")
     g.add_argument("--efficiency-weight", type=float, default=0.1,
                    help="Bonus for solving with fewer agent turns, in [0, 1): it only orders solved rollouts of equal "
                         "correctness, in groups that mix correctness levels, and moves an advantage by at most this "
@@ -198,22 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "agent crash), instead of waiting forever for samples.")
 
     g = p.add_argument_group("run")
-    g.add_argument("--output-dir", default="",
-                   help="Checkpoints and logs. Empty: runs/<run name>.")
-    g.add_argument("--run-name", default="",
-                   help="Empty: the --output-dir's name if given, else <model>-<harness>-<sandbox>-<SLURM_JOB_ID, "
-                        "else UTC time + random suffix>, so relaunches never write over each other while a requeued "
-                        "SLURM job keeps its name.")
-    g.add_argument("--project", default="async-grpo-harbor",
-                   help="trackio project, so runs on one suite compare side by side.")
-    g.add_argument("--report-to", default="trackio",
-                   help="Where metrics go: trackio (local, no account needed), none, or any HF integration.")
-    g.add_argument("--save-steps", type=int, default=50,
-                   help="Optimizer steps between checkpoints: what a crash or preemption can lose.")
-    g.add_argument("--save-total-limit", type=int, default=2,
-                   help="Checkpoints kept in the output dir: the oldest is deleted once a newer one is complete (0 "
-                        "keeps all). Each holds weights and AdamW moments, ~48 GB for Qwen3-4B in float32; the "
-                        "preflight prints the size and the free disk.")
+    trl_field(g, "output_dir", "", help="Checkpoints and logs. Empty: runs/<run name>.")
+    trl_field(g, "run_name", "",
+              help="Empty: the --output-dir's name if given, else <model>-<harness>-<sandbox>-<SLURM_JOB_ID, "
+                   "else UTC time + random suffix>, so relaunches never write over each other while a requeued "
+                   "SLURM job keeps its name.")
+    trl_field(g, "project", "async-grpo-harbor", help="trackio project, so runs on one suite compare side by side.")
+    trl_field(g, "report_to", "trackio",
+              help="Where metrics go: trackio (local, no account needed), none, or any HF integration.")
+    trl_field(g, "save_steps", 50, help="Optimizer steps between checkpoints: what a crash or preemption can lose.")
+    trl_field(g, "save_total_limit", 2,
+              help="Checkpoints kept in the output dir: the oldest is deleted once a newer one is complete (0 "
+                   "keeps all). Each holds weights and AdamW moments, ~48 GB for Qwen3-4B in float32; the "
+                   "preflight prints the size and the free disk.")
     g.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="Resume trainer state and task position: bare `--resume` takes the latest checkpoint in the "
                         "output dir; `auto` the same if there is one, else starts fresh (one command for the first "
@@ -249,13 +267,98 @@ class UsageError(Exception):
     """Bad input or an unusable setup: reported as one line, exit code 2."""
 
 
+# AsyncGRPOConfig fields this script decides (trl_config): given directly, a value that differs is refused, naming
+# what decides it, rather than silently replaced. Top_p and the other sampling filters: see parse_trl_args.
+DECIDED_BY_SCRIPT = {
+    "gradient_accumulation_steps": "--micro-batches-per-step", "max_inflight_tasks": "--max-inflight",
+    "vllm_server_base_url": "--vllm-url", "request_timeout": "--agent-timeout (+ 30 min)",
+    "ddp_timeout": "--num-generations x (--agent-timeout + 30 min)", "save_strategy": "--save-steps",
+    "logging_steps": "the per-step rollout accounting", "resume_from_checkpoint": "--resume",
+    "bf16": "the hardware (bf16 autocast on GPUs only)", "use_cpu": "the hardware (CPU when CUDA is absent)",
+}
+
+
+def parse_trl_args(argv: list[str], help_all: bool) -> argparse.Namespace:
+    """The script's flags and every AsyncGRPOConfig field, with a --config recipe, through TRL's TrlParser. Loading
+    TRL takes seconds, so only a command line that needs it (a flag the script lacks, --config) pays for it."""
+    import copy
+    import typing
+
+    import yaml
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    hints = typing.get_type_hints(AsyncGRPOConfig)
+    fields = {f.name: copy.copy(f) for f in dataclasses.fields(AsyncGRPOConfig) if f.init}
+    for name, f in fields.items():
+        f.type = hints[name]
+        if name in DECIDED_BY_SCRIPT:  # None: not given
+            f.default, f.metadata = None, {"help": f"Set by this script from {DECIDED_BY_SCRIPT[name]}."}
+    p = build_parser(fields)  # takes the fields it sets a default for out of `fields`
+    g = p.add_argument_group("AsyncGRPOConfig: every other field (TRL's, and transformers' TrainingArguments)")
+    for f in fields.values():
+        p._parse_dataclass_field(g, f)
+    untouched = vars(p.parse_known_args([])[0])  # as argparse converts defaults, before a recipe replaces them
+    if help_all:
+        p.print_help()
+        raise SystemExit(0)
+    argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+    recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+    try:
+        ns, unknown_keys, unknown = p.parse_args_and_config(argv, return_remaining_strings=True,
+                                                            separate_remaining_strings=True)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise UsageError(f"--config {recipe}: {' '.join(str(exc).split())}") from None
+    if unknown_keys:
+        raise UsageError(f"--config {recipe}: unknown key(s) {', '.join(k[2:] for k in unknown_keys[::2])}: not a "
+                         "flag of this script nor an AsyncGRPOConfig field (--help-all lists them)")
+    if unknown:
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (--help-all lists every flag)")
+    # The fields the user set (recipe or command line), for trl_config and the hyper-parameter table.
+    ns.trl = {n: v for n in fields if (v := ns.__dict__.pop(n)) != untouched[n]}
+    sampling = {k: ns.trl[k] for k in ("top_p", "top_k", "min_p", "repetition_penalty") if k in ns.trl}
+    if sampling:
+        from openenv.core.harness.capture.upstream import training_sampling
+        try:  # what the rollout child would raise at start, in the capture proxy's words
+            training_sampling({"temperature": ns.temperature, **sampling})
+        except ValueError as exc:
+            got = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in sampling.items())
+            raise UsageError(f"{got}: {exc}; a loop-owning harness trains the full-vocabulary policy at "
+                             "--temperature") from None
+    return ns
+
+
+def trl_fields_decided(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"gradient_accumulation_steps": args.micro_batches_per_step, "max_inflight_tasks": args.max_inflight,
+            "vllm_server_base_url": args.vllm_url, "request_timeout": int(rollout_budget_s(args.agent_timeout)),
+            "ddp_timeout": collective_timeout_s(args), "save_strategy": "steps", "logging_steps": 1,
+            "resume_from_checkpoint": None,
+            # bf16 autocast exists only on GPUs; elsewhere it would score at another precision than the engine.
+            # Without CUDA, ranks join over gloo (join_ranks); accelerate only runs several processes on CPU when told.
+            "bf16": cuda, "use_cpu": not cuda}
+
+
+def trl_config(args: argparse.Namespace):
+    """The AsyncGRPOConfig the trainer runs with: TRL's defaults, then the script's, the user's, what it decides."""
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    own = {f.name: getattr(args, f.name) for f in dataclasses.fields(AsyncGRPOConfig) if hasattr(args, f.name)}
+    keep = {"save_total_limit": args.save_total_limit or None}  # the script's 0 (keep all) is TRL's None
+    return AsyncGRPOConfig(**own | args.trl | trl_fields_decided(args) | keep)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    args = parse_trl_args(argv, args.help_all) if unknown or args.config or args.help_all else args
+    args.trl = getattr(args, "trl", {})
     positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
                 "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1,
                 "save_total_limit": 0}
     for name, low in positive.items():
-        if getattr(args, name) < low:
+        if (getattr(args, name) or 0) < low:  # save_total_limit may be None (TRL's `none`): keep all, as 0
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
     args.measure = args.eval_only or args.curate == ""
     if args.eval_k < 1:
@@ -289,6 +392,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         model_short = Path(args.model.rstrip("/")).name
         args.run_name = f"{model_short}-{args.harness.replace(',', '+')}-{args.sandbox}-{stamp}"
     args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
+    for name, value in (trl_fields_decided(args) if args.trl else {}).items():
+        if args.trl.get(name, value) != value:
+            raise UsageError(f"--{name.replace('_', '-')} {args.trl[name]}: this script sets it from "
+                             f"{DECIDED_BY_SCRIPT[name]}, here to {value}; leave it out")
     return args
 
 
@@ -2513,7 +2620,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, GenerationConfig, TrainerCallback
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
     class HarborRolloutWorker(HarnessRolloutWorker):
@@ -2644,20 +2751,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 logs.update(accounting.step(self.state.global_step, stale))
             super().log(logs, start_time)
 
-    config = AsyncGRPOConfig(
-        output_dir=args.output_dir, run_name=args.run_name, project=args.project, report_to=args.report_to,
-        learning_rate=args.learning_rate, max_steps=args.max_steps, save_steps=args.save_steps,
-        save_strategy="steps", logging_steps=1, gradient_accumulation_steps=args.micro_batches_per_step,
-        # bf16 autocast exists only on GPUs; elsewhere it would score at another precision than the engine.
-        bf16=torch.cuda.is_available(), dtype=args.dtype, save_total_limit=args.save_total_limit or None,
-        # Without CUDA, ranks join over gloo (join_ranks); accelerate only runs several processes on CPU when told.
-        use_cpu=not torch.cuda.is_available(), ddp_timeout=collective_timeout_s(args),
-        num_generations=args.num_generations, max_inflight_tasks=args.max_inflight,
-        max_staleness=args.max_staleness, temperature=args.temperature,
-        max_completion_length=args.max_completion_length, vllm_server_base_url=args.vllm_url,
-        request_timeout=int(rollout_budget_s(args.agent_timeout)),
-    )
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    config = trl_config(args)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=config.trust_remote_code)
     try:
         eos = GenerationConfig.from_pretrained(args.model).eos_token_id
     except OSError:
@@ -2672,10 +2767,10 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     reward_fn = functools.partial(harbor_reward, step_limit=args.agent_step_limit)
     worker = HarborRolloutWorker(
         model_name=args.model, dataset=dataset, reward_funcs=[],
-        processing_class=tokenizer, eos_token_ids=eos_ids, num_generations=args.num_generations,
-        max_inflight_tasks=args.max_inflight, queue_maxsize=config.queue_maxsize,
-        vllm_server_url=args.vllm_url, max_tokens=args.max_completion_length, temperature=args.temperature,
-        request_timeout=config.request_timeout,
+        processing_class=tokenizer, eos_token_ids=eos_ids, vllm_server_url=config.vllm_server_base_url,
+        max_tokens=config.max_completion_length,  # AsyncGRPOTrainer's own worker takes the same config fields:
+        **{k: getattr(config, k) for k in ("num_generations", "max_inflight_tasks", "queue_maxsize", "temperature",
+                                           "request_timeout", "log_completions", "num_completions_to_print")},
         harness_session_factory=functools.partial(
             HarborSessionFactory, harbor_url=args.harbor_url, harness=harness_names(args.harness)[0],
             sandbox=args.sandbox, reward_key=args.reward_key, agent_step_limit=args.agent_step_limit,
@@ -2801,6 +2896,8 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
         "zero-variance groups": (f"kept out; stop after {args.max_zero_variance_groups} in a row"
                                  if args.max_zero_variance_groups else "trained (advantages 0)"),
         "report to": f"{args.report_to} (project {args.project})",
+        # AsyncGRPOConfig fields set beyond the script's flags; transformers hides *_token fields the same way
+        **{f"{k} (TRL)": f"<{k.upper()}>" if k.endswith("_token") else redact(str(v)) for k, v in args.trl.items()},
         **({"ranks": process_group_timeout()} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}),
     })
 

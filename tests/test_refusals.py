@@ -5,7 +5,7 @@ the command a user types."""
 from __future__ import annotations
 
 import pytest
-from conftest import free_port, run_main, run_script
+from conftest import free_port, load_script, run_main, run_script
 
 
 def assert_refused(proc, *needles: str) -> None:
@@ -90,3 +90,45 @@ def test_engine_without_token_ids_is_refused(eval_tier_rig, tmp_path):
     # before returning reward 0 with no trainable turn.
     proc = run_main([*eval_tier_rig.base_args(), "--tasks", "coin"], cwd=tmp_path)
     assert_refused(proc, "--return-tokens-as-token-ids", "--logprobs-mode processed_logprobs")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--mod", "x"], ["unrecognized arguments: --mod x"]),  # never an abbreviation of --model
+    (["--config", "missing.yaml"], ["--config missing.yaml", "No such file"]),
+    (["--config", "bad.yaml"], ["--config bad.yaml: unknown key(s) agent_steps_limit"]),
+    (["--gradient-accumulation-steps", "2"], ["--gradient-accumulation-steps 2", "from --micro-batches-per-step"]),
+    (["--top-p", "0.9"], ["--top-p 0.9", "requires top_p=1.0"]),
+])
+def test_trl_fields_and_recipes_are_refused_like_the_scripts_flags(tmp_path, args, needles):
+    (tmp_path / "bad.yaml").write_text("learning_rate: 2.0e-6\nagent_steps_limit: 20\n")
+    assert_refused(run_main(args, cwd=tmp_path), *needles)
+
+
+def trl_config_of(argv: list[str]):
+    """The AsyncGRPOConfig build_trainer would train with, for this command line (no model loads)."""
+    from accelerate.state import PartialState
+
+    agh = load_script()
+    try:
+        return agh.trl_config(agh.parse_args(argv))
+    finally:
+        PartialState._reset_state()  # building a TrainingArguments picks this process's device
+
+
+def test_every_trl_field_reaches_the_trainer_config_from_the_command_line():
+    config = trl_config_of(["--run-name", "r", "--epsilon-high", "0.28", "--lr_scheduler_type", "cosine",
+                            "--learning-rate", "3e-6"])
+    assert (config.epsilon_high, config.lr_scheduler_type, config.learning_rate) == (0.28, "cosine", 3e-6)
+    # The script's defaults and what it decides stay as they were.
+    assert (config.max_steps, config.gradient_accumulation_steps, config.output_dir) == (500, 4, "runs/r")
+    assert (config.epsilon, config.max_completion_length) == (0.2, 1024)
+
+
+def test_a_recipe_sets_script_flags_and_trl_fields_and_the_command_line_overrides_it(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("agent_step_limit: 20\nepsilon_high: 0.28\nmax_steps: 7\nlearning_rate: 2.0e-6\n")
+    agh = load_script()
+    args = agh.parse_args(["--config", str(recipe), "--max-steps", "9", "--run-name", "r"])
+    assert (args.agent_step_limit, args.max_steps, args.learning_rate, args.trl) == (20, 9, 2e-6, {"epsilon_high": 0.28})
+    config = trl_config_of(["--config", str(recipe), "--run-name", "r"])
+    assert (config.epsilon_high, config.max_steps, config.learning_rate) == (0.28, 7, 2e-6)
