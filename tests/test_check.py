@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import SCRIPT, SECRETS, embedded, free_port, load_script, run_main, run_script, script_env
+from conftest import SCRIPT, SECRETS, embedded, free_port, load_script, run_main, script_env
 
 ROW = re.compile(r"^  (PASS|WARN|FAIL|SKIP)  (\S+(?: \S+)*)\s{2,}(.*)$", re.M)
 
@@ -125,12 +125,12 @@ def test_a_served_bfloat16_is_compared_with_the_trainers_weights_as_trl_compares
     # vLLM serves this float32 checkpoint in bfloat16 (its --dtype auto), as the stand-in does by default.
     engine = make_rig("--dtype", "auto", harbor=False)
     dead = ["--harbor-url", f"http://127.0.0.1:{free_port()}", "--tasks", "coin", "--check"]
-    fp32 = table(run_script([*engine.base_args(), *dead], cwd=tmp_path).stdout)
+    fp32 = table(run_main([*engine.base_args(), *dead], cwd=tmp_path).stdout)
     # On CPU the trainer scores in its weights' dtype: float32 against a bf16 engine is a real gap.
     assert fp32["dtype"][0] == "WARN" and fp32["dtype"][1].startswith(
         "vLLM serves bfloat16, the trainer's weights are float32 (--dtype float32); TRL warns about this"), fp32
     assert fp32["precision"][0] == "PASS"
-    bf16 = table(run_script([*engine.base_args(), *dead, "--dtype", "bfloat16"], cwd=tmp_path).stdout)
+    bf16 = table(run_main([*engine.base_args(), *dead, "--dtype", "bfloat16"], cwd=tmp_path).stdout)
     assert bf16["dtype"] == ("PASS", "vLLM serves bfloat16, the trainer's weights are bfloat16 (--dtype bfloat16)")
     # ... and at the default learning rate (1e-6) its updates would not land.
     assert bf16["precision"][0] == "WARN" and "below half the bfloat16 spacing at |w| = 0.02 (6.1e-05)" in \
@@ -206,7 +206,7 @@ TUNNEL = "cloudflare" if shutil.which("cloudflared") else "gradio"
 ])
 def test_the_capture_url_is_picked_for_where_the_harness_runs(tmp_path, flags, status, needles):
     # vLLM is down, so no Harbor server (nor a tunnel) starts: the row is judged from flags and environment alone.
-    proc = run_script(["--vllm-url", f"http://127.0.0.1:{free_port()}", "--check", *flags], cwd=tmp_path, **SECRETS)
+    proc = run_main(["--vllm-url", f"http://127.0.0.1:{free_port()}", "--check", *flags], cwd=tmp_path, **SECRETS)
     rows = table(proc.stdout)
     assert rows["capture URL"][0] == status, proc.stdout
     assert rows["credentials"][0] == "PASS" and rows["Harbor server"][0] == "SKIP", proc.stdout
@@ -221,7 +221,7 @@ def test_the_capture_url_is_picked_for_where_the_harness_runs(tmp_path, flags, s
 ])
 def test_with_vllm_down_every_check_that_needs_no_server_still_reports(tmp_path, tasks, problem):
     url = f"http://127.0.0.1:{free_port()}"
-    proc = run_script(["--vllm-url", url, "--tasks", tasks, "--sandbox", "e2b", "--output-dir", "/proc/agh-out",
+    proc = run_main(["--vllm-url", url, "--tasks", tasks, "--sandbox", "e2b", "--output-dir", "/proc/agh-out",
                        "--check"], cwd=tmp_path, E2B_API_KEY="")
     rows = table(proc.stdout)
     assert {check: rows[check][0] for check in ("vLLM reachable", "tasks", "output dir", "credentials",
