@@ -1023,9 +1023,8 @@ OFF_HOST_SANDBOXES = {"e2b", "modal", "daytona", "runloop", "langsmith", "ec2", 
                       "hf-sandbox", "hyperbrowser", "vercel", "prime", "mosaic", "sail", "kernel"}
 # Harbor backends on this host whose sandboxes still get their own network namespace: their 127.0.0.1 is not ours.
 OWN_NETWORK_SANDBOXES = {"docker", "podman", "apple-container", "kata"}
-# What each cloud backend reads from the environment of the process that starts it (the Harbor server). openenv's
-# check_sandbox (Harbor's own preflight) needs harbor importable here, which a trainer on another Python lacks; the
-# server's capabilities check every backend (the `sandbox` row), but only once vLLM answers and the server is up.
+# What each cloud backend reads from the environment of the process that starts it (the Harbor server). The server's
+# capabilities check them all (the `sandbox` row), but only once it is up; openenv's check_sandbox needs harbor here.
 SANDBOX_CREDENTIALS = {"e2b": "E2B_API_KEY", "daytona": "DAYTONA_API_KEY", "runloop": "RUNLOOP_API_KEY"}
 
 
@@ -1684,8 +1683,7 @@ def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[s
 
 
 def numbered_checkpoints(output_dir: str) -> list[Path]:
-    """checkpoint-N dirs, newest first: transformers' order, the one its rotation deletes by (get_last_checkpoint
-    names only the newest, and a resume falls back past a corrupt one)."""
+    """checkpoint-N dirs, newest first, as transformers rotates them (its get_last_checkpoint gives only the newest)."""
     from transformers.trainer_utils import sort_checkpoints
 
     return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
