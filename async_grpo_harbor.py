@@ -1126,13 +1126,15 @@ class EmbeddedHarborServer:
 # Preflight (`--check`, and before every run): refuse a setup that would train on nothing, before loading any weights
 # ----------------------------------------------------------------------------------------------------------------------
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
+# Where a backend's sandboxes run is said by neither openenv's capabilities nor Harbor's EnvironmentCapabilities.
 # Harbor backends whose sandboxes run off this host: they cannot reach a capture proxy advertised as 127.0.0.1.
 OFF_HOST_SANDBOXES = {"e2b", "modal", "daytona", "runloop", "langsmith", "ec2", "gke", "ack", "openshift", "novita",
                       "islo", "tensorlake", "cwsandbox", "use-computer", "cua-cloud", "blaxel", "beam", "skypilot",
                       "hf-sandbox", "hyperbrowser", "vercel", "prime", "mosaic", "sail", "kernel"}
 # Harbor backends on this host whose sandboxes still get their own network namespace: their 127.0.0.1 is not ours.
 OWN_NETWORK_SANDBOXES = {"docker", "podman", "apple-container", "kata"}
-# What each cloud backend reads from the environment of the process that starts it (the Harbor server).
+# What each cloud backend reads from the environment of the process that starts it (the Harbor server). The server's
+# capabilities check them all (the `sandbox` row), but only once it is up; openenv's check_sandbox needs harbor here.
 SANDBOX_CREDENTIALS = {"e2b": "E2B_API_KEY", "daytona": "DAYTONA_API_KEY", "runloop": "RUNLOOP_API_KEY"}
 
 
@@ -1192,6 +1194,8 @@ def endpoint(url: str) -> tuple[str | None, int | None]:
 
 
 def http_json(url: str, timeout: float = 10.0) -> Any:
+    """TRL's VLLMClient reads /v1/models and /server_info too, but with no timeout (a port that accepts and never
+    answers hangs the preflight) and without the served model's id."""
     with urllib.request.urlopen(url, timeout=timeout) as reply:
         return json.loads(reply.read())
 
@@ -1805,10 +1809,10 @@ def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[s
 
 
 def numbered_checkpoints(output_dir: str) -> list[Path]:
-    """checkpoint-N dirs, newest first."""
-    steps = [(int(m[1]), p) for p in Path(output_dir).glob("checkpoint-*")
-             if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()]
-    return [p for _, p in sorted(steps, reverse=True)]
+    """checkpoint-N dirs, newest first, as transformers rotates them (its get_last_checkpoint gives only the newest)."""
+    from transformers.trainer_utils import sort_checkpoints
+
+    return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
 
 
 # What a resume loads, by how the run was sharded: the optimizer file names the layout (transformers' _save_checkpoint,
@@ -2357,9 +2361,8 @@ class RolloutAccounting:
             metrics["harbor/zero_variance_frac"] = len(zero_groups) / len(scored_groups)
         if self.groups_total:
             metrics["harbor/zero_variance_frac_cumulative"] = self.zero_total / self.groups_total
-        if ok:
-            metrics |= {"harbor/solve_rate": sum(r["reward"] > 0 for r in ok) / len(ok),
-                        "harbor/wall_s_mean": sum(r["wall_s"] for r in ok) / len(ok),
+        if ok:  # TRL's rollout/turns_mean and rollout/duration_s also average the unscorable rollouts, at 0 turns
+            metrics |= {"harbor/wall_s_mean": sum(r["wall_s"] for r in ok) / len(ok),
                         "harbor/turns_mean": sum(r["turns"] for r in ok) / len(ok)}
             for phase in {name for r in ok for name in r["phases"]}:
                 timed = [r["phases"][phase] for r in ok if phase in r["phases"]]
@@ -2619,7 +2622,7 @@ def collective_timeout_s(args: argparse.Namespace) -> int:
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]]):
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, GenerationConfig, TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOTrainer
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
@@ -2664,6 +2667,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
 
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
+            if self.rollout_worker is not None:  # TRL's eos ids (tokenizer's + model's); it sets them only on its own
+                self.rollout_worker._loop_kwargs["eos_token_ids"] = self.eos_token_ids
             self._trained_groups = CollatedGroups()
             self.step_groups: set[int] = set()  # groups of the micro-batches of the step under way
             self.trained_groups: set[int] = set()  # groups with samples in a finished optimizer step
@@ -2753,12 +2758,6 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
 
     config = trl_config(args)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=config.trust_remote_code)
-    try:
-        eos = GenerationConfig.from_pretrained(args.model).eos_token_id
-    except OSError:
-        eos = None
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    eos_ids = [tokenizer.eos_token_id, *[i for i in eos_ids if i != tokenizer.eos_token_id]]
     dataset = Dataset.from_list(rotate_harnesses(task_rows(tasks, split), harness_names(args.harness)))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     records = os.path.join(args.output_dir, "rollouts.jsonl")
@@ -2767,7 +2766,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     reward_fn = functools.partial(harbor_reward, step_limit=args.agent_step_limit)
     worker = HarborRolloutWorker(
         model_name=args.model, dataset=dataset, reward_funcs=[],
-        processing_class=tokenizer, eos_token_ids=eos_ids, vllm_server_url=config.vllm_server_base_url,
+        processing_class=tokenizer, vllm_server_url=config.vllm_server_base_url,
         max_tokens=config.max_completion_length,  # AsyncGRPOTrainer's own worker takes the same config fields:
         **{k: getattr(config, k) for k in ("num_generations", "max_inflight_tasks", "queue_maxsize", "temperature",
                                            "request_timeout", "log_completions", "num_completions_to_print")},

@@ -165,7 +165,10 @@ def test_rollout_time_is_accounted_per_step(trained):
     assert all(e["harbor/errors"] == 0 for e in history)
     timed = [e for e in history if e["harbor/rollouts"]]
     assert timed and all(e["harbor/sandbox_s_per_step"] > 0 and e["harbor/rollouts_per_min"] > 0 for e in timed)
-    assert all(e["harbor/turns_mean"] >= 1 and 0 <= e["harbor/solve_rate"] <= 1 for e in timed)
+    assert all(e["harbor/turns_mean"] >= 1 for e in timed)
+    # The solve rate is TRL's own: the mean verifier reward of the rollouts that have one (pass/fail here).
+    scored = [e["rollout/correctness_mean"] for e in history if e.get("rollout/correctness_mean") is not None]
+    assert scored and all(0 <= c <= 1 for c in scored), history
 
 
 def test_concurrent_rollouts_run_side_by_side(trained):
