@@ -27,6 +27,10 @@ from pathlib import Path
 
 import pytest
 
+# Nothing here reaches the hub. huggingface_hub reads this once, at its first import, which the collection of a test
+# module can trigger: without it an in-process preflight of a hub model id waits ~23 s on the network.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 ROOT = Path(__file__).resolve().parents[1]
 RIG = ROOT / "tests" / "rig"
 SCRIPT = ROOT / "async_grpo_harbor.py"

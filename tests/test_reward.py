@@ -17,7 +17,13 @@ from accelerate import PartialState  # noqa: E402
 from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, TrainingSequence  # noqa: E402
 
 W, LIMIT = 0.1, 10
-PartialState()  # TRL's scoring logs through accelerate, which needs its state (TRL's rollout child makes it too)
+
+
+@pytest.fixture(autouse=True)
+def accelerate_state():
+    # TRL's scoring logs through accelerate, which needs its state (TRL's rollout child makes it too); an in-process
+    # test that built a TrainingArguments resets it.
+    PartialState()
 
 
 def scoring_loop(max_zero_variance_groups: int = 100):
