@@ -2817,6 +2817,12 @@ def main(argv: list[str] | None = None) -> int:
             code, plan, args.run_name, args.output_dir, args.harbor_url = share(
                 (code, plan, args.run_name, args.output_dir, args.harbor_url))
         if code is not None:
+            if share is not None:
+                # A group left to the interpreter's exit can abort a rank that ends here (seen after --check: SIGABRT,
+                # "terminate called without an active exception").
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
             return code
         return run_measure(args, plan) if args.measure else train(args, plan, server)
     except KeyboardInterrupt:
