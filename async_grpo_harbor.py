@@ -553,14 +553,14 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
     if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
         return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
                                      f"{', '.join(sorted(r.rewards))}")
-    budget = next((x for x in r.findings if "context_budget_exhausted" in x), None)
-    if not r.ok and budget and "no_turns" in (r.error or ""):
-        # Seen on a real vLLM: it refuses a call whose prompt + max_tokens exceed its context (HTTP 400), the proxy
-        # turns that into a stop the agent obeys, and the rollout's own error then blames the base URL.
-        return Failure("context", f"vLLM refused the agent's first call as too long for its context ({budget[:240]}): "
-                                  "the Harbor server's --max-output-tokens (this script's --max-completion-length) "
-                                  "plus the task's prompt must fit vLLM's --max-model-len")
     if not r.ok:
+        budget = next((x for x in r.findings if "context_budget_exhausted" in x), None)
+        if budget and "no_turns" in (r.error or ""):
+            # Seen on a real vLLM: it refuses a call whose prompt + max_tokens exceed its context (HTTP 400), the
+            # proxy turns that into a stop the agent obeys, and the rollout's own error then blames the base URL.
+            return Failure("context", f"vLLM refused the agent's first call as too long for its context "
+                                      f"({budget[:240]}): the Harbor server's --max-output-tokens (this script's "
+                                      "--max-completion-length) plus the task's prompt must fit vLLM's --max-model-len")
         return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}")
     if r.rollout_type != "train" and require_tokens:
         return Failure("eval_tier", "the engine returned no token ids / processed logprobs (eval tier): restart vLLM "
@@ -1321,12 +1321,10 @@ def check_capture_tier(pf: Preflight, report: Any, logprobs_mode: str | None) ->
 
 def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str, on_gpu: bool | None = None) -> None:
     """The precision the trainer scores at against the one vLLM samples at: on a GPU the trainer computes under bf16
-    autocast whatever its weights are (build_trainer's bf16=True; accelerate wraps the forward), elsewhere in its
-    weights' dtype. TRL's own start-up warning compares weight dtypes only."""
+    autocast whatever its weights are (the config's bf16, trl_fields_decided; accelerate wraps the forward),
+    elsewhere in its weights' dtype. TRL's own start-up warning compares weight dtypes only."""
     if on_gpu is None:
-        import torch
-
-        on_gpu = torch.cuda.is_available()
+        on_gpu = trl_fields_decided(args)["bf16"]
     trains = trainer_dtype(args)
     computes = "bfloat16" if on_gpu else trains
     weights = f"the trainer's weights are {trains} (--dtype {args.dtype})"
