@@ -349,9 +349,48 @@ def trl_config(args: argparse.Namespace):
     return AsyncGRPOConfig(**own | args.trl | trl_fields_decided(args) | keep)
 
 
+def trl_field_names() -> set[str] | None:
+    """AsyncGRPOConfig's field names, read from the installed sources without importing them: the import costs ~5 s
+    (torch, transformers), which a mistyped flag should not pay. None where the classes are not laid out as read here
+    (then TrlParser decides; tests/test_refusals.py holds this to dataclasses.fields)."""
+    import ast
+    import importlib.util
+
+    chain = [("trl", "experimental/async_grpo/async_grpo_config.py", "AsyncGRPOConfig", ["_BaseConfig"]),
+             ("trl", "trainer/base_config.py", "_BaseConfig", ["TrainingArguments"]),
+             ("transformers", "training_args.py", "TrainingArguments", [])]
+    names: set[str] = set()
+    for package, path, cls, bases in chain:
+        spec = importlib.util.find_spec(package)
+        try:
+            tree = ast.parse((Path(spec.submodule_search_locations[0]) / path).read_text())
+        except (AttributeError, TypeError, OSError, SyntaxError):
+            return None
+        node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+        if node is None or [ast.unparse(b) for b in node.bases] != bases:
+            return None
+        names |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return names
+
+
+def refuse_unknown_flags(unknown: list[str]) -> None:
+    """Refuse at once a flag that is neither the script's nor an AsyncGRPOConfig field (HfArgumentParser also takes
+    --no_<field> for booleans); anything else goes to TrlParser."""
+    fields = trl_field_names()
+    flags = [a.split("=", 1)[0][2:].replace("-", "_") for a in unknown if a.startswith("--")]
+    wrong = [f for f in flags if fields is not None and f not in fields and f.removeprefix("no_") not in fields]
+    if wrong:
+        known = fields | {a.dest for a in build_parser()._actions}
+        close = difflib.get_close_matches(wrong[0], known, n=1)
+        hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else ""
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown)}{hint} (--help-all lists every flag)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, unknown = build_parser().parse_known_args(argv)
+    if unknown and not (args.config or args.help_all):
+        refuse_unknown_flags(unknown)
     args = parse_trl_args(argv, args.help_all) if unknown or args.config or args.help_all else args
     args.trl = getattr(args, "trl", {})
     positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,

@@ -4,6 +4,10 @@ the command a user types."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import subprocess
+
 import pytest
 from conftest import free_port, load_script, run_main, run_script
 
@@ -33,6 +37,21 @@ def test_impossible_settings(tmp_path, args, needles):
 
 def test_a_refusal_is_one_line_and_exit_code_2_from_the_command_line(tmp_path):
     assert_refused(run_script(["--num-generations", "1"], cwd=tmp_path), "--num-generations must be >= 2")
+
+
+def test_a_mistyped_flag_is_refused_with_the_closest_name_before_trl_or_torch_load(tmp_path):
+    proc = run_script(["--lerning-rate", "1e-6"], cwd=tmp_path, PYTHONPROFILEIMPORTTIME="1")
+    imports = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert_refused(subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout,
+                                               "\n".join(set(proc.stderr.splitlines()) - set(imports))),
+                   "unrecognized arguments: --lerning-rate 1e-6; did you mean --learning-rate?")
+    assert imports and not [line for line in imports if re.search(r"\| (torch|transformers|trl)$", line)]
+
+
+def test_the_fast_refusal_knows_every_trl_field():
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    assert load_script().trl_field_names() == {f.name for f in dataclasses.fields(AsyncGRPOConfig) if f.init}
 
 
 def test_unreachable_vllm_names_the_url_and_the_command(tmp_path):
