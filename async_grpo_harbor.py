@@ -377,13 +377,22 @@ def refuse_unknown_flags(unknown: list[str]) -> None:
     """Refuse at once a flag that is neither the script's nor an AsyncGRPOConfig field (HfArgumentParser also takes
     --no_<field> for booleans); anything else goes to TrlParser."""
     fields = trl_field_names()
-    flags = [a.split("=", 1)[0][2:].replace("-", "_") for a in unknown if a.startswith("--")]
-    wrong = [f for f in flags if fields is not None and f not in fields and f.removeprefix("no_") not in fields]
+    if fields is None:
+        return
+    wrong: list[list[str]] = []  # each unknown flag with the values that follow it
+    for arg in unknown:
+        name = arg.split("=", 1)[0][2:].replace("-", "_") if arg.startswith("--") else None
+        if name is not None:
+            wrong.append([arg] if name not in fields and name.removeprefix("no_") not in fields else [])
+        elif wrong and wrong[-1]:
+            wrong[-1].append(arg)
+    wrong = [flag for flag in wrong if flag]
     if wrong:
-        known = fields | {a.dest for a in build_parser()._actions}
-        close = difflib.get_close_matches(wrong[0], known, n=1)
+        name = wrong[0][0].split("=", 1)[0][2:].replace("-", "_")
+        close = difflib.get_close_matches(name, fields | {a.dest for a in build_parser()._actions}, n=1)
         hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else ""
-        raise UsageError(f"unrecognized arguments: {' '.join(unknown)}{hint} (--help-all lists every flag)")
+        raise UsageError(f"unrecognized arguments: {' '.join(a for flag in wrong for a in flag)}{hint} (--help-all "
+                         "lists every flag)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -400,6 +409,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if (getattr(args, name) or 0) < low:  # save_total_limit may be None (TRL's `none`): keep all, as 0
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
     args.measure = args.eval_only or args.curate == ""
+    args.harnesses = [name.strip() for name in args.harness.split(",") if name.strip()]
+    if not args.harnesses:
+        raise UsageError("--harness is empty; name one, e.g. mini-swe-agent, or several: mini-swe-agent,terminus-2")
     if args.eval_k < 1:
         raise UsageError(f"--eval-k must be >= 1 (got {args.eval_k})")
     args.band = parse_band(args.band)
@@ -528,29 +540,21 @@ def resolve_tasks(entries: list[tuple[str, str]], catalogue: list[dict[str, Any]
     return chosen
 
 
-def task_rows(tasks: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
-    """One dataset row per task. The task's identity rides in the prompt message because that is all TRL hands the
-    session factory: the `seed` it passes is a group counter that differs per epoch and restarts at 0 on resume."""
-    return [
-        {"prompt": [{"role": "user", "content": f"[{t['task_name']}] {t.get('instruction', '')[:2000]}",
-                     "harbor_split": split, "harbor_task_index": int(t["index"]), "harbor_task_name": t["task_name"]}]}
-        for t in tasks
-    ]
-
-
-def harness_names(spec: str) -> list[str]:
-    return [name.strip() for name in spec.split(",") if name.strip()]
-
-
-def rotate_harnesses(rows: list[dict[str, Any]], harnesses: list[str]) -> list[dict[str, Any]]:
-    """Every task once per harness per pass over the rows, the harness changing from one row to the next.
+def task_rows(tasks: list[dict[str, Any]], split: str, harnesses: list[str]) -> list[dict[str, Any]]:
+    """One dataset row per task and harness: every task once per harness per pass over the rows, the harness changing
+    from one row to the next.
 
     A row is a GRPO group (TRL repeats it for all its generations), so a group never mixes harnesses and its
     advantages compare like with like; shifting the assignment each pass keeps a task from always meeting the same
-    harness when the task count is a multiple of the harness count.
+    harness when the task count is a multiple of the harness count. The task's identity rides in the prompt message
+    because that is all TRL hands the session factory: the `seed` it passes is a group counter that differs per epoch
+    and restarts at 0 on resume.
     """
-    return [{"prompt": [{**row["prompt"][0], "harbor_harness": harnesses[(i + shift) % len(harnesses)]}]}
-            for shift in range(len(harnesses)) for i, row in enumerate(rows)]
+    return [{"prompt": [{"role": "user", "content": f"[{t['task_name']}] {t.get('instruction', '')[:2000]}",
+                         "harbor_split": split, "harbor_task_index": int(t["index"]),
+                         "harbor_task_name": t["task_name"], "harbor_harness": harness}]}
+            for shift in range(len(harnesses)) for i, t in enumerate(tasks)
+            for harness in [harnesses[(i + shift) % len(harnesses)]]]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -929,14 +933,9 @@ class HarborSessionFactory:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the trainer's stop request; it stops us when it is ready
         signal.signal(signal.SIGTERM, lambda signum, frame: self._abandon(128 + signum))
-        parent = os.getppid()
-
-        def watch_parent():
-            while os.getppid() == parent:
-                time.sleep(1.0)
+        _die_with_parent()  # TRL spawns this child from the trainer's main thread, which lives as long as the trainer
+        if multiprocessing.parent_process().pid != os.getppid():  # it died before the line above
             self._abandon(1)
-
-        threading.Thread(target=watch_parent, daemon=True, name="harbor-parent-watch").start()
 
     def _abandon(self, exit_code: int) -> None:
         for session in list(self.live_sessions):
@@ -1086,7 +1085,8 @@ def free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    # The kernel stops the server if this process is killed outright (SIGKILL, OOM), when no cleanup of ours runs.
+    # The kernel sends SIGTERM when the parent thread ends, even by SIGKILL or OOM, when no cleanup of its runs: the
+    # Harbor server this script starts, and TRL's rollout child, which must not go on starting paid sandboxes.
     import ctypes
 
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -1584,7 +1584,7 @@ def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
     calls the capture proxy, from wherever it runs."""
     from openenv.harbor.capabilities import HOST_SIDE_AGENTS
 
-    in_sandbox = [h for h in harness_names(args.harness) if h not in HOST_SIDE_AGENTS]
+    in_sandbox = [h for h in args.harnesses if h not in HOST_SIDE_AGENTS]
     if not in_sandbox:
         return "direct", (f"{args.harness} runs host-side, in the Harbor server's process (openenv's "
                           "HOST_SIDE_AGENTS), so its model calls reach 127.0.0.1 whatever the sandbox"), True
@@ -1660,7 +1660,7 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
         pf.add("Harbor server", PASS, f"{args.harbor_url} (yours)")
 
     harnesses = {h["name"]: h for h in caps.get("harnesses", [])}
-    for name in harness_names(args.harness):
+    for name in args.harnesses:
         harness = harnesses.get(name)
         if harness is None and ":" not in name:  # `module:Class` is a custom harness the server imports
             pf.add("harness", FAIL, f"unknown harness {name!r}; this server has: "
@@ -1752,8 +1752,8 @@ def check_reward(args: argparse.Namespace, pf: Preflight, split: str, task: dict
     client = HarborRolloutClient(args.harbor_url, rollout_budget_s(args.agent_timeout))
     t0 = time.monotonic()
     try:
-        r = client.run_rollout(split=split, task_index=int(task["index"]), harness=args.harness, sandbox=args.sandbox,
-                               reward_key=args.reward_key, agent_timeout_sec=args.agent_timeout,
+        r = client.run_rollout(split=split, task_index=int(task["index"]), harness=args.harnesses[0],
+                               sandbox=args.sandbox, reward_key=args.reward_key, agent_timeout_sec=args.agent_timeout,
                                agent_step_limit=args.agent_step_limit, sampling={"temperature": args.temperature})
     except Exception as exc:  # noqa: BLE001 - reported, not raised: the rest of the table still matters
         pf.add("probe rollout", FAIL, f"{task['task_name']}: {type(exc).__name__}: {exc}")
@@ -1970,38 +1970,6 @@ PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass
                      "mean_wall_s", "errors"]
 
 
-class Progress:
-    """tasks done, solve rate so far, rollouts/min and ETA on one line: a tqdm bar when tqdm is installed."""
-
-    def __init__(self, units: int, k: int):
-        self.units, self.k, self.started = units, k, time.monotonic()
-        self.done = self.solved = self.scored = self.units_done = 0
-        try:
-            from tqdm import tqdm
-            self.bar = tqdm(total=units * k, unit="rollout", dynamic_ncols=True, file=sys.stderr)
-        except ImportError:
-            self.bar = None
-
-    def update(self, solved: bool | None, unit_done: bool) -> None:
-        self.done += 1
-        self.scored += solved is not None
-        self.solved += bool(solved)
-        self.units_done += unit_done
-        per_min = self.done / max(time.monotonic() - self.started, 1e-9) * 60
-        rate = f"{self.solved / self.scored:.0%}" if self.scored else "-"
-        status = f"tasks {self.units_done}/{self.units}, solved {rate}, {per_min:.1f} rollouts/min"
-        if self.bar is not None:
-            self.bar.set_postfix_str(status, refresh=False)
-            self.bar.update(1)
-        elif unit_done:
-            eta = (self.units * self.k - self.done) / per_min if per_min else 0
-            print(f"[eval] {status}, ETA {eta:.0f} min", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
                        llm: dict[str, Any]) -> list[dict[str, Any]]:
     """--eval-k rollouts of every task (under every harness), through the session code training uses.
@@ -2014,19 +1982,21 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     from openenv.core.harness.capture.upstream import training_sampling
+    from tqdm import tqdm
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     factory = HarborSessionFactory(
-        harbor_url=args.harbor_url, harness=harness_names(args.harness)[0], sandbox=args.sandbox,
+        harbor_url=args.harbor_url, harness=args.harnesses[0], sandbox=args.sandbox,
         reward_key=args.reward_key, agent_step_limit=args.agent_step_limit, agent_timeout_s=args.agent_timeout,
         max_consecutive_failures=args.max_consecutive_failures, retry_window_s=args.harbor_retry_window,
         sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
         # A token-capturing engine samples exactly as in training; any other (a hosted model) at the same temperature.
         eval_sampling=None if llm.get("capture_level") == "tokens" else {"temperature": args.temperature, "top_p": 1.0},
         record_path=os.path.join(args.output_dir, "eval_rollouts.jsonl"))
-    units = rotate_harnesses(task_rows(tasks, split), harness_names(args.harness))
+    units = task_rows(tasks, split, args.harnesses)
     outcomes: list[list[HarborSession]] = [[] for _ in units]
-    progress = Progress(len(units), args.eval_k)
+    progress = tqdm(total=len(units) * args.eval_k, unit="rollout", dynamic_ncols=True, file=sys.stderr)
+    solved = scored = 0
 
     def run(unit: int) -> tuple[int, HarborSession]:
         session = HarborSession(factory, units[unit]["prompt"], unit)
@@ -2055,8 +2025,12 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
                     stop_reason = str(exc)
                     raise KeyboardInterrupt from None
                 outcomes[unit].append(session)
-                progress.update(None if session.failure else bool(session.result.solved),
-                                len(outcomes[unit]) == args.eval_k)
+                scored += session.failure is None
+                solved += session.failure is None and bool(session.result.solved)
+                done = sum(len(o) == args.eval_k for o in outcomes)
+                progress.set_postfix_str(f"tasks {done}/{len(units)}, solved "
+                                         f"{f'{solved / scored:.0%}' if scored else '-'}", refresh=False)
+                progress.update(1)
                 if (job := next(jobs, None)) is not None:
                     pending.add(pool.submit(run, job))
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: release the server's slots, keep what finished
@@ -2195,7 +2169,7 @@ def run_measure(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     print(f"[eval] wrote {path}", flush=True)
     if args.curate == "":
         curate(args, [{k: str(v) for k, v in r.items()} for r in rows], str(path))
-    return 0 if len(rows) == len(tasks) * len(harness_names(args.harness)) else 1
+    return 0 if len(rows) == len(tasks) * len(args.harnesses) else 1
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -2795,10 +2769,10 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
 
     config = trl_config(args)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=config.trust_remote_code)
-    dataset = Dataset.from_list(rotate_harnesses(task_rows(tasks, split), harness_names(args.harness)))
+    dataset = Dataset.from_list(task_rows(tasks, split, args.harnesses))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     records = os.path.join(args.output_dir, "rollouts.jsonl")
-    accounting = RolloutAccounting(records, args.num_generations, harness_names(args.harness),
+    accounting = RolloutAccounting(records, args.num_generations, args.harnesses,
                                    args.efficiency_weight, keep_out_zero_variance=args.max_zero_variance_groups > 0)
     reward_fn = functools.partial(harbor_reward, step_limit=args.agent_step_limit)
     worker = HarborRolloutWorker(
@@ -2808,7 +2782,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         **{k: getattr(config, k) for k in ("num_generations", "max_inflight_tasks", "queue_maxsize", "temperature",
                                            "request_timeout", "log_completions", "num_completions_to_print")},
         harness_session_factory=functools.partial(
-            HarborSessionFactory, harbor_url=args.harbor_url, harness=harness_names(args.harness)[0],
+            HarborSessionFactory, harbor_url=args.harbor_url, harness=args.harnesses[0],
             sandbox=args.sandbox, reward_key=args.reward_key, agent_step_limit=args.agent_step_limit,
             agent_timeout_s=args.agent_timeout, max_consecutive_failures=args.max_consecutive_failures,
             retry_window_s=args.harbor_retry_window, record_path=records, reward_fn=reward_fn),

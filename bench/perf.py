@@ -11,7 +11,8 @@ by side in one run:
 3. startup: process start -> first session dispatched, minus model load (`build_trainer`), same run.
 4. the factory's own per-rollout work (client construction, session create/close over HTTP, result parse, trace
    conversion), timed on a real rollout result, as a fraction of the rollout's wall time.
-5. the command line: `--help` and an argument refusal, wall seconds, median of 5 each (no rig needed).
+5. the command line: `--help`, a refused value, a mistyped flag and a malformed TRL field (which TrlParser, so TRL,
+   must read), wall seconds, median of 5 each (no rig needed).
 
 With py-spy (bench/run.sh provides it): a profile of the worker's stop, and of the server and the rollout child
 during one factory window at the highest N. Ends with `perf: ratio_min=<x> shutdown_s=<y> startup_s=<z> help_s=<h>
@@ -162,7 +163,8 @@ def make_worker(rig: Rig, model_dir: Path, tasks: list, n: int):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     request_timeout = int(script.rollout_budget_s(AGENT_TIMEOUT))
     return Worker(
-        model_name=str(model_dir), dataset=Dataset.from_list(script.task_rows(tasks, rig.split)), reward_funcs=[],
+        model_name=str(model_dir), reward_funcs=[],
+        dataset=Dataset.from_list(script.task_rows(tasks, rig.split, ["mini-swe-agent"])),
         processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id], num_generations=min(n, 2),
         max_inflight_tasks=n, queue_maxsize=1024, vllm_server_url=rig.engine_url, max_tokens=4096,
         temperature=TEMPERATURE, request_timeout=request_timeout,
@@ -339,11 +341,12 @@ def factory_overhead(rig: Rig, spec: dict, reps: int = 20) -> dict:
 
 # ---- 5. the command line
 def cli_times(reps: int = 5) -> dict:
-    """`--help` and a refused argument, as a user runs them (no rig stand-ins in the environment): wall seconds,
+    """`--help` and refused arguments, as a user runs them (no rig stand-ins in the environment): wall seconds,
     median of `reps`."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AGH_CPU_RIG")}
     times = {}
-    for name, args in (("help_s", ["--help"]), ("refusal_s", ["--num-generations", "1"])):
+    for name, args in (("help_s", ["--help"]), ("refusal_s", ["--num-generations", "1"]),
+                       ("unknown_flag_s", ["--lerning-rate", "1e-6"]), ("trl_field_s", ["--epsilon-high", "x"])):
         runs = []
         for _ in range(reps):
             start = time.perf_counter()

@@ -7,6 +7,7 @@ $AGH_SERVER_PYTHON (Python 3.12 with openenv[harbor] and mini-swe-agent).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -222,8 +223,10 @@ def run_main(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProc
 def tiny_model(tmp_path_factory) -> Path:
     # Keyed by the recipe, so checkouts with different recipes sharing one cache never rebuild over each other.
     recipe = hashlib.sha256((RIG / "tiny_model.py").read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("AGH_CACHE_DIR") or tmp_path_factory.mktemp("cache")) / f"tiny-qwen3-{recipe}"
-    subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(cache)], check=True)
+    cache = Path(os.environ.get("AGH_CACHE_DIR") or tmp_path_factory.getbasetemp().parent) / f"tiny-qwen3-{recipe}"
+    with open(f"{cache}.lock", "w") as lock:  # one build, whichever worker comes first
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(cache)], check=True)
     return cache
 
 
@@ -303,7 +306,7 @@ HARNESSES = ["mini-swe-agent", "mini-swe-agent-twin"]
 @pytest.fixture(scope="session")
 def trained(rig, tmp_path_factory):
     """The README's one command (no --harbor-url, so the script runs its own Harbor server): 3 steps, a checkpoint
-    each, trackio, harnesses rotated per group. One run, read by test_train_e2e and test_rotation."""
+    each, trackio, harnesses rotated per group. One run, read by test_train_e2e."""
     work = tmp_path_factory.mktemp("train")
     chats, started = len(rig.engine_stats()["chat"]), datetime.now(timezone.utc)
     args, env = embedded(default_filter(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1",

@@ -56,10 +56,11 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("whole_group", [False, True], ids=["trainer-only", "process-group"])
-def test_sigterm_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, whole_group):
+@pytest.mark.parametrize("how", ["trainer-only", "process-group", "trainer-sigkill"])
+def test_a_stop_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, how):
     # trainer-only: `kill <pid>`, which used to orphan the rollout child (it went on starting rollouts).
     # process-group: what SLURM and Ctrl-C do; the child must not die before it released its server sessions.
+    # trainer-sigkill: the OOM killer; no cleanup of the trainer's runs, the child must still leave and release them.
     args = train_args(rig, tmp_path / "out", "--max-steps", "50")
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=script_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -79,14 +80,15 @@ def test_sigterm_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, whole
         time.sleep(2)  # the next rollouts are now in flight
         family = descendants(proc.pid)
         assert family, "no rollout child"
-        if whole_group:
+        if how == "process-group":
             os.killpg(proc.pid, signal.SIGTERM)
         else:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGKILL if how == "trainer-sigkill" else signal.SIGTERM)
         # Before the first optimizer step there is nothing to save, but a requeue still starts the run.
-        assert proc.wait(timeout=120) == 75
+        assert proc.wait(timeout=120) == (-signal.SIGKILL if how == "trainer-sigkill" else 75)
         reader.join(timeout=10)
-        assert "[harbor] stopped by SIGTERM: no optimizer step yet, nothing to save; exit code 75" in "".join(lines)
+        if how != "trainer-sigkill":
+            assert "[harbor] stopped by SIGTERM: no optimizer step yet, nothing to save; exit code 75" in "".join(lines)
         # multiprocessing's resource tracker ignores SIGTERM by design and leaves once its last user has gone.
         deadline = time.monotonic() + 15
         while (survivors := [pid for pid in family if alive(pid)]) and time.monotonic() < deadline:

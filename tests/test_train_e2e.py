@@ -1,6 +1,8 @@
 """Training end to end on CPU: the real Harbor server, capture proxy, Harbor trial + verifier, mini-swe-agent,
 our session factory and TRL's real worker and trainer; only the engine, sandbox and CUDA pieces stand in. The run is
-conftest's `trained`: the README's one command, with two harnesses rotated per group (test_rotation reads it too)."""
+conftest's `trained`: the README's one command, with two harnesses rotated per group: --harness A,B rotates harnesses
+from one GRPO group to the next, so every generation of a group runs the same harness (and task), its advantages
+compare like with like, and the run's accounting is split per harness."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ from collections import defaultdict
 from datetime import datetime
 
 import pytest
-from conftest import (MAX_MODEL_LEN, SECRETS, assert_all_slots_free, default_filter, log_history, rollouts, run_script,
-                      train_args)
+from conftest import (HARNESSES, MAX_MODEL_LEN, SECRETS, TASKS, assert_all_slots_free, default_filter, log_history,
+                      rollouts, run_main, run_script, train_args)
 from safetensors.torch import load_file
+from test_refusals import assert_refused
 
 
 def test_trains_three_steps_and_saves_the_model(trained):
@@ -212,3 +215,29 @@ def test_no_secret_reaches_output_logs_or_trackio(trained):
         assert value not in proc.stdout + proc.stderr
         assert not [p for p in written if value.encode() in p.read_bytes()]
 
+
+ROLLOUT_HARNESS = re.compile(r"\[harbor\] group (\d+) task \d+ \(([\w-]+)\): .*\bharness ([\w-]+)")
+
+
+def test_each_group_runs_one_harness_and_metrics_are_split_per_harness(trained):
+    proc, out, _, _ = trained
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    groups = defaultdict(set)
+    count = defaultdict(int)
+    for group, task, harness in ROLLOUT_HARNESS.findall(proc.stdout):
+        groups[int(group)].add((task, harness))
+        count[harness] += 1
+    assert groups and all(len(runs) == 1 for runs in groups.values()), dict(groups)
+    # The first pass over the tasks alternates harnesses group by group.
+    first_pass = [next(iter(groups[g]))[1] for g in sorted(groups) if g < len(TASKS.split(","))]
+    assert first_pass == [HARNESSES[g % 2] for g in range(len(first_pass))] and len(first_pass) >= 2
+    history = log_history(out)
+    for harness in HARNESSES:
+        logged = sum(e.get(f"harbor/{harness}/rollouts", 0) for e in history)
+        assert 0 < logged <= count[harness], (harness, logged, count[harness])
+    assert any(f"harbor/{HARNESSES[0]}/zero_variance_frac_cumulative" in e for e in history)
+
+
+def test_every_harness_in_the_list_is_checked(rig, tmp_path):
+    proc = run_main([*rig.base_args(), "--harness", "mini-swe-agent,mini-swe-agnt", "--tasks", TASKS], cwd=tmp_path)
+    assert_refused(proc, "unknown harness 'mini-swe-agnt'")
