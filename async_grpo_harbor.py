@@ -484,14 +484,6 @@ def redact(text: str) -> str:
 def read_task_spec(spec: str) -> list[tuple[str, str]]:
     """`0-3,7,name` or `@file` -> [(entry, where it came from)], so errors can name the line. Checks all that needs
     no server; whether each entry names a task is `resolve_tasks`' job."""
-    entries = _read_task_entries(spec)
-    for entry, where in entries:
-        if (m := re.fullmatch(r"(\d+)-(\d+)", entry)) and int(m[1]) > int(m[2]):
-            raise UsageError(f"{where}: range {entry!r} is backwards; write {m[2]}-{m[1]}")
-    return entries
-
-
-def _read_task_entries(spec: str) -> list[tuple[str, str]]:
     if spec.startswith("@"):
         path = Path(spec[1:])
         try:
@@ -499,16 +491,17 @@ def _read_task_entries(spec: str) -> list[tuple[str, str]]:
         except OSError as exc:
             raise UsageError(f"--tasks {spec}: cannot read {path} ({exc.strerror}); give a file of task "
                              "indices, ranges or names, one per line") from None
-        entries = []
-        for number, line in enumerate(lines, 1):
-            line = line.split("#", 1)[0].strip()
-            entries += [(part.strip(), f"{path}:{number}") for part in line.split(",") if part.strip()]
+        entries = [(part.strip(), f"{path}:{number}") for number, line in enumerate(lines, 1)
+                   for part in line.split("#", 1)[0].split(",") if part.strip()]
         if not entries:
             raise UsageError(f"--tasks {spec}: {path} lists no tasks (only blank lines and # comments)")
-        return entries
-    entries = [(part.strip(), "--tasks") for part in spec.split(",") if part.strip()]
-    if not entries:
-        raise UsageError("--tasks is empty; give indices, ranges or names, e.g. 0-49,57,hello-world")
+    else:
+        entries = [(part.strip(), "--tasks") for part in spec.split(",") if part.strip()]
+        if not entries:
+            raise UsageError("--tasks is empty; give indices, ranges or names, e.g. 0-49,57,hello-world")
+    for entry, where in entries:
+        if (m := re.fullmatch(r"(\d+)-(\d+)", entry)) and int(m[1]) > int(m[2]):
+            raise UsageError(f"{where}: range {entry!r} is backwards; write {m[2]}-{m[1]}")
     return entries
 
 

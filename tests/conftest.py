@@ -7,7 +7,6 @@ $AGH_SERVER_PYTHON (Python 3.12 with openenv[harbor] and mini-swe-agent).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -223,10 +222,8 @@ def run_main(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProc
 def tiny_model(tmp_path_factory) -> Path:
     # Keyed by the recipe, so checkouts with different recipes sharing one cache never rebuild over each other.
     recipe = hashlib.sha256((RIG / "tiny_model.py").read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("AGH_CACHE_DIR") or tmp_path_factory.getbasetemp().parent) / f"tiny-qwen3-{recipe}"
-    with open(f"{cache}.lock", "w") as lock:  # one build, whichever worker comes first
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(cache)], check=True)
+    cache = Path(os.environ.get("AGH_CACHE_DIR") or tmp_path_factory.mktemp("cache")) / f"tiny-qwen3-{recipe}"
+    subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(cache)], check=True)
     return cache
 
 

@@ -9,9 +9,7 @@ cd "$root"
 set +e
 # The whole suite unless the arguments name tests themselves (a file, a node id).
 case " $* " in *" tests/"*) ;; *) set -- tests "$@" ;; esac
-# Two workers, each taking whole test files, so a file's shared run (a module fixture) is made once: a launch is
-# single-core while it starts and stops, and the other worker's rollouts fill the second core meanwhile.
-"$trainer/bin/python" -m pytest -n "${AGH_TEST_WORKERS:-2}" --dist loadfile -ra --durations=15 "$@"
+"$trainer/bin/python" -m pytest -ra --durations=15 "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then
