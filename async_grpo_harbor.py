@@ -1018,6 +1018,14 @@ class HarborSessionFactory:
             f.write(json.dumps(record) + "\n")
 
 
+def session_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What every rollout of a run shares, training and --eval-only alike."""
+    return {"harbor_url": args.harbor_url, "harness": args.harnesses[0], "sandbox": args.sandbox,
+            "reward_key": args.reward_key, "agent_step_limit": args.agent_step_limit,
+            "agent_timeout_s": args.agent_timeout, "max_consecutive_failures": args.max_consecutive_failures,
+            "retry_window_s": args.harbor_retry_window}
+
+
 class RewardInputs:
     """The fields of TRL's `HarnessRolloutOutcome` that `harbor_reward` reads, for computing it outside TRL."""
 
@@ -1979,10 +1987,7 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     factory = HarborSessionFactory(
-        harbor_url=args.harbor_url, harness=args.harnesses[0], sandbox=args.sandbox,
-        reward_key=args.reward_key, agent_step_limit=args.agent_step_limit, agent_timeout_s=args.agent_timeout,
-        max_consecutive_failures=args.max_consecutive_failures, retry_window_s=args.harbor_retry_window,
-        sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
+        **session_settings(args), sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
         # A token-capturing engine samples exactly as in training; any other (a hosted model) at the same temperature.
         eval_sampling=None if llm.get("capture_level") == "tokens" else {"temperature": args.temperature, "top_p": 1.0},
         record_path=os.path.join(args.output_dir, "eval_rollouts.jsonl"))
@@ -2774,11 +2779,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         max_tokens=config.max_completion_length,  # AsyncGRPOTrainer's own worker takes the same config fields:
         **{k: getattr(config, k) for k in ("num_generations", "max_inflight_tasks", "queue_maxsize", "temperature",
                                            "request_timeout", "log_completions", "num_completions_to_print")},
-        harness_session_factory=functools.partial(
-            HarborSessionFactory, harbor_url=args.harbor_url, harness=args.harnesses[0],
-            sandbox=args.sandbox, reward_key=args.reward_key, agent_step_limit=args.agent_step_limit,
-            agent_timeout_s=args.agent_timeout, max_consecutive_failures=args.max_consecutive_failures,
-            retry_window_s=args.harbor_retry_window, record_path=records, reward_fn=reward_fn),
+        harness_session_factory=functools.partial(HarborSessionFactory, **session_settings(args), record_path=records,
+                                                  reward_fn=reward_fn),
         rollout_reward_fn=reward_fn, efficiency_weight=args.efficiency_weight,
         max_zero_variance_groups=args.max_zero_variance_groups,
     )
