@@ -628,6 +628,8 @@ class HarborServerSession:
         self.session_id: str | None = None
         self.closed = False
         self.closed_event = threading.Event()
+        self.settled = threading.Event()  # no create call in flight: once closed, this session holds no server slot
+        self.settled.set()
 
     def _open_connection(self, **overrides: Any) -> http.client.HTTPConnection:
         conn = self._connect(**overrides)
@@ -684,12 +686,16 @@ class HarborServerSession:
     def open(self) -> None:
         if self.session_id is not None:
             return
-        session_id = self._call_once("openenv/session/create", {}, interruptible=False)["session_id"]
-        with self._lock:
-            self.session_id = session_id
-            closed = self.closed
-        if closed:  # close() ran while the slot was being created: it could not release what it did not know
-            self._release(session_id)
+        self.settled.clear()
+        try:
+            session_id = self._call_once("openenv/session/create", {}, interruptible=False)["session_id"]
+            with self._lock:
+                self.session_id = session_id
+                closed = self.closed
+            if closed:  # close() ran while the slot was being created: it could not release what it did not know
+                self._release(session_id)
+        finally:
+            self.settled.set()
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
         self.open()
@@ -931,8 +937,14 @@ class HarborSessionFactory:
             self._abandon(1)
 
     def _abandon(self, exit_code: int) -> None:
-        for session in list(self.live_sessions):
+        sessions = list(self.live_sessions)
+        for session in sessions:
             session.close()
+        # A create still in flight releases its slot when it returns (open()); os._exit would end it first. Seen:
+        # a trainer SIGKILLed as the next group started left two of the server's slots taken.
+        deadline = time.monotonic() + 10.0
+        for session in sessions:
+            session._client.server_session.settled.wait(max(0.0, deadline - time.monotonic()))
         os._exit(exit_code)
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:

@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import SCRIPT, SECRETS, embedded, free_port, load_script, run_main, script_env
+from conftest import HARNESSES, SCRIPT, SECRETS, embedded, free_port, load_script, run_main, script_env
 
 ROW = re.compile(r"^  (PASS|WARN|FAIL|SKIP)  (\S+(?: \S+)*)\s{2,}(.*)$", re.M)
 
@@ -58,8 +58,10 @@ def test_a_healthy_setup_passes_and_an_external_server_is_used_as_is(rig, tmp_pa
 
 
 def test_probe_rollout_on_its_own_server_confirms_the_reward_key_then_stops_the_server(rig, tmp_path):
+    # With a list of harnesses, the probe runs the first.
     args, env = embedded([*rig.base_args(), "--tasks", "coin2", "--reward-key", "correct", "--output-dir", "out",
-                          "--check", "--probe-rollout", "--agent-step-limit", "6"], tmp_path)
+                          "--check", "--probe-rollout", "--agent-step-limit", "6", "--harness", ",".join(HARNESSES)],
+                         tmp_path)
     proc = run_main(args, cwd=tmp_path, **env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = table(proc.stdout)

@@ -89,8 +89,9 @@ def test_a_stop_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, how):
         reader.join(timeout=10)
         if how != "trainer-sigkill":
             assert "[harbor] stopped by SIGTERM: no optimizer step yet, nothing to save; exit code 75" in "".join(lines)
-        # multiprocessing's resource tracker ignores SIGTERM by design and leaves once its last user has gone.
-        deadline = time.monotonic() + 15
+        # multiprocessing's resource tracker ignores SIGTERM by design and leaves once its last user has gone; an
+        # orphaned rollout child first releases its server sessions (a create in flight may take seconds to return).
+        deadline = time.monotonic() + 30
         while (survivors := [pid for pid in family if alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not survivors, [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in survivors]

@@ -54,7 +54,7 @@ def launch(args: list[str], cwd: Path, stop_when) -> tuple[int, str]:
         if reached.is_set():
             os.killpg(proc.pid, signal.SIGTERM)
             code = proc.wait(timeout=900)
-            reader.join(timeout=10)
+            reader.join(timeout=60)  # the ranks may still be writing their last lines when the launcher returns
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -30,6 +30,7 @@ def assert_refused(proc, *needles: str) -> None:
     (["--max-inflight", "-2"], ["--max-inflight must be >= 1 (got -2)"]),
     (["--probe-rollout"], ["--probe-rollout is part of --check"]),
     (["--save-total-limit", "-1"], ["--save-total-limit must be >= 0 (got -1)"]),
+    (["--harness", " , "], ["--harness is empty"]),
 ])
 def test_impossible_settings(tmp_path, args, needles):
     assert_refused(run_main(args, cwd=tmp_path), *needles)
