@@ -2196,6 +2196,8 @@ def harbor_rollout_loop() -> type:
     """
     if "HarborRolloutLoop" in globals():
         return globals()["HarborRolloutLoop"]
+    import asyncio
+
     from trl.experimental.async_grpo.openenv_harness import _HarnessRolloutLoop
 
     class HarborRolloutLoop(_HarnessRolloutLoop):
@@ -2236,6 +2238,13 @@ def harbor_rollout_loop() -> type:
                 # (the trainer raises it from check_health) without the three tracebacks TRL's child prints for a crash.
                 self._exception_info_queue.put_nowait((type(exc).__name__, str(exc), ""))
                 self._failed_event.set()
+                # TRL's gather left the generate loop running; closing the event loop under it printed "Task was
+                # destroyed but it is pending" and a traceback at the child's exit (seen in CI).
+                stop_event.set()
+                others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+                for task in others:
+                    task.cancel()
+                await asyncio.gather(*others, return_exceptions=True)
 
     HarborRolloutLoop.__qualname__ = "HarborRolloutLoop"
     globals()["HarborRolloutLoop"] = HarborRolloutLoop
