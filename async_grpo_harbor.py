@@ -373,33 +373,32 @@ def trl_field_names() -> set[str] | None:
     return names
 
 
-def refuse_unknown_flags(unknown: list[str]) -> None:
-    """Refuse at once a flag that is neither the script's nor an AsyncGRPOConfig field (HfArgumentParser also takes
-    --no_<field> for booleans); anything else goes to TrlParser."""
+def refuse_unknown_flags(unknown: list[str], own: set[str]) -> None:
+    """Refuse at once a flag that is neither the script's (`own`) nor an AsyncGRPOConfig field (HfArgumentParser also
+    takes --no_<field> for booleans); anything else goes to TrlParser."""
     fields = trl_field_names()
     if fields is None:
         return
-    wrong: list[list[str]] = []  # each unknown flag with the values that follow it
+    flags: list[tuple[str, list[str]]] = []  # each unknown flag's name, with what was typed: it and its values
     for arg in unknown:
-        name = arg.split("=", 1)[0][2:].replace("-", "_") if arg.startswith("--") else None
-        if name is not None:
-            wrong.append([arg] if name not in fields and name.removeprefix("no_") not in fields else [])
-        elif wrong and wrong[-1]:
-            wrong[-1].append(arg)
-    wrong = [flag for flag in wrong if flag]
+        if arg.startswith("--"):
+            flags.append((arg.split("=", 1)[0][2:].replace("-", "_"), [arg]))
+        elif flags:
+            flags[-1][1].append(arg)
+    wrong = [(name, typed) for name, typed in flags if name not in fields and name.removeprefix("no_") not in fields]
     if wrong:
-        name = wrong[0][0].split("=", 1)[0][2:].replace("-", "_")
-        close = difflib.get_close_matches(name, fields | {a.dest for a in build_parser()._actions}, n=1)
+        close = difflib.get_close_matches(wrong[0][0], fields | own, n=1)
         hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else ""
-        raise UsageError(f"unrecognized arguments: {' '.join(a for flag in wrong for a in flag)}{hint} (--help-all "
-                         "lists every flag)")
+        raise UsageError(f"unrecognized arguments: {' '.join(a for _, typed in wrong for a in typed)}{hint} "
+                         "(--help-all lists every flag)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, unknown = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
     if unknown and not (args.config or args.help_all):
-        refuse_unknown_flags(unknown)
+        refuse_unknown_flags(unknown, {action.dest for action in parser._actions})
     args = parse_trl_args(argv, args.help_all) if unknown or args.config or args.help_all else args
     args.trl = getattr(args, "trl", {})
     positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
@@ -2006,7 +2005,7 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
     units = task_rows(tasks, split, args.harnesses)
     outcomes: list[list[HarborSession]] = [[] for _ in units]
     progress = tqdm(total=len(units) * args.eval_k, unit="rollout", dynamic_ncols=True, file=sys.stderr)
-    solved = scored = 0
+    solved = scored = done = 0
 
     def run(unit: int) -> tuple[int, HarborSession]:
         session = HarborSession(factory, units[unit]["prompt"], unit)
@@ -2037,7 +2036,7 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
                 outcomes[unit].append(session)
                 scored += session.failure is None
                 solved += session.failure is None and bool(session.result.solved)
-                done = sum(len(o) == args.eval_k for o in outcomes)
+                done += len(outcomes[unit]) == args.eval_k
                 progress.set_postfix_str(f"tasks {done}/{len(units)}, solved "
                                          f"{f'{solved / scored:.0%}' if scored else '-'}", refresh=False)
                 progress.update(1)
