@@ -73,8 +73,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-# Nothing heavy at module level: `--help` and a refused argument answer at once, and TRL's spawned rollout child, which
-# imports this file, pays only for what it runs. Each path imports what it needs where it needs it.
+# Nothing heavy at module level: `--help` and a refused argument answer at once, and the forkserver of TRL's rollout
+# child, which imports this file first, imports only what the child runs. Each path imports what it needs where it
+# needs it.
 if TYPE_CHECKING:
     from openenv.core.harness import TrainingTrace, VerifyResult
     from openenv.harbor.models import HarborRolloutResult
@@ -91,6 +92,10 @@ ROLLOUTS_FAILING = "harbor rollouts failing:"
 NO_SIGNAL = "harbor groups carry no signal:"
 # EX_TEMPFAIL: "stopped on request, a checkpoint holds everything; relaunch me". SLURM wrappers requeue on it.
 REQUEUE_EXIT_CODE = 75
+# What SLURM, scancel and `kill` send to stop a run: the trainer checkpoints on them (StopRequest).
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
+# Blocked in the forkserver of TRL's rollout child, so that only the trainer's exit ends it (rollout_child_context).
+FORKSERVER_BLOCKED = STOP_SIGNALS | {signal.SIGINT}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -457,6 +462,13 @@ def parse_band(text: str) -> tuple[float, float]:
     if not 0 <= low <= high <= 1:
         raise UsageError(f"--band {text!r}: need 0 <= LOW <= HIGH <= 1")
     return low, high
+
+
+def say(line: str) -> None:
+    """One line to stdout in one write: print() writes the text and its newline apart, so lines of writers sharing
+    the output (the rollout child's threads, the ranks of a launch) ran into each other (seen in test runs)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def print_table(title: str, rows: dict[str, Any]) -> None:
@@ -931,9 +943,17 @@ class HarborSessionFactory:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the trainer's stop request; it stops us when it is ready
         signal.signal(signal.SIGTERM, lambda signum, frame: self._abandon(128 + signum))
-        _die_with_parent()  # TRL spawns this child from the trainer's main thread, which lives as long as the trainer
-        if multiprocessing.parent_process().pid != os.getppid():  # it died before the line above
-            self._abandon(1)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORKSERVER_BLOCKED)  # see rollout_child_context
+        # The trainer holds the other end of this pipe, which reads as closed once it is gone however it died (SIGKILL,
+        # OOM), already closed included. Not PR_SET_PDEATHSIG: this child's OS parent is the forkserver, which
+        # outlives the trainer by its interpreter's shutdown (~2 s measured, rollouts still starting meanwhile).
+        import multiprocessing.connection
+
+        def leave_with_trainer(trainer=multiprocessing.parent_process().sentinel) -> None:
+            multiprocessing.connection.wait([trainer])
+            os.kill(os.getpid(), signal.SIGTERM)  # _abandon, in the main thread: no rollout starts meanwhile
+
+        threading.Thread(target=leave_with_trainer, name="harbor-trainer-watch", daemon=True).start()
 
     def _abandon(self, exit_code: int) -> None:
         sessions = list(self.live_sessions)
@@ -953,11 +973,8 @@ class HarborSessionFactory:
         return session
 
     def _say(self, line: str) -> None:
-        # One locked write per line: rollouts finish on several threads at once, and print() writes the text and its
-        # newline separately, so two lines ran into one (seen in a test run) and log parsers missed a rollout.
-        with self._lock:
-            sys.stdout.write(redact(line) + "\n")
-            sys.stdout.flush()
+        with self._lock:  # rollouts finish on several threads at once
+            say(redact(line))
 
     def server_lost(self, exc: ServerLost) -> float:
         """A rollout lost its server: seconds left before the run gives up on it (<= 0: it is gone).
@@ -1097,8 +1114,8 @@ def free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    # The kernel sends SIGTERM when the parent thread ends, even by SIGKILL or OOM, when no cleanup of its runs: the
-    # Harbor server this script starts, and TRL's rollout child, which must not go on starting paid sandboxes.
+    # The kernel sends SIGTERM to the Harbor server this script starts when its parent thread ends, even by SIGKILL or
+    # OOM, when no cleanup of ours runs.
     import ctypes
 
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -2567,8 +2584,8 @@ def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
     name = STOP.signal_name or "a stop on rank 0"
     if not trainer.accelerator.is_main_process:
-        print(f"[harbor] rank {trainer.accelerator.process_index}: stopped with rank 0 by {name}; exit code "
-              f"{REQUEUE_EXIT_CODE}", flush=True)
+        say(f"[harbor] rank {trainer.accelerator.process_index}: stopped with rank 0 by {name}; exit code "
+            f"{REQUEUE_EXIT_CODE}")
         return REQUEUE_EXIT_CODE
     saved = "no optimizer step yet, nothing to save"
     if step:
@@ -2577,8 +2594,8 @@ def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
         saved = (f"checkpoint {checkpoint} (step {step}{f', all {ranks} ranks' if ranks > 1 else ''}); a resume "
                  f"runs its {len(rollout.get('pending', []))} untrained groups first, then tasks from position "
                  f"{rollout['prompt_index']}")
-    print(f"[harbor] stopped by {name}: {saved}; exit code {REQUEUE_EXIT_CODE} (requeue). Resume: "
-          f"{STOP.resume_command}", flush=True)
+    say(f"[harbor] stopped by {name}: {saved}; exit code {REQUEUE_EXIT_CODE} (requeue). Resume: "
+        f"{STOP.resume_command}")
     return REQUEUE_EXIT_CODE
 
 
@@ -2648,6 +2665,36 @@ def collective_timeout_s(args: argparse.Namespace) -> int:
     return int(args.num_generations * rollout_budget_s(args.agent_timeout))
 
 
+def rollout_child_context() -> Any:
+    """Where TRL's rollout child starts from: a forkserver that imports what the child runs (TRL, torch, openenv)
+    while the trainer runs its preflight and loads the model, then forks the child at once.
+
+    TRL spawns the child only after the cold weight sync and waits for it, and a spawned child imports all of that
+    again first: 5-6 s of every launch's 12-14 s to its first rollout on the 2-core bench (bench/results), tens of
+    seconds with vLLM on a GPU node by TRL's own account. The forkserver starts with the launcher's signals blocked
+    (the mask survives exec) and leaves when the trainer does; a forked child unblocks them (HarborSessionFactory).
+    It sees no GPU, as TRL wants the child: a CUDA driver initialised before the fork would break the child.
+    """
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    context = multiprocessing.get_context("forkserver")
+    # `__main__` first keeps openenv's web UI (gradio) out of the forkserver too, on Pythons that pass it the script's
+    # path (3.13.8+); elsewhere the forkserver imports it, off the trainer's path.
+    context.set_forkserver_preload(["__main__", "trl.experimental.async_grpo.openenv_harness", "openenv.harbor.client"])
+    multiprocessing.resource_tracker.ensure_running()  # first: starting it unblocks SIGTERM again
+    gpus = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORKSERVER_BLOCKED)  # meanwhile they wait for the trainer
+    try:
+        os.environ.update(dict.fromkeys(gpus, ""))
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for name, value in gpus.items():
+            os.environ.pop(name) if value is None else os.environ.update({name: value})
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return context
+
+
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]]):
     import torch
     from datasets import Dataset
@@ -2668,6 +2715,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
             self.order = VisitOrder(self.rows, self.pending, self._loop_kwargs["dataset_start_index"])
             self._loop_kwargs.update(dataset=self.order, dataset_start_index=0)
+            self._mp_ctx = rollout_child_context()  # TRL's queues and events are spawn's: a forkserver takes them too
             super().start()
 
         def check_health(self, stale_after_s: float) -> None:
@@ -2814,8 +2862,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
 # Main
 # ----------------------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, STOP.handle)
-    signal.signal(signal.SIGUSR1, STOP.handle)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, STOP.handle)
     try:
         args = parse_args(argv)
         STOP.resume_command = resume_command(sys.argv[1:] if argv is None else argv, args.output_dir)
@@ -2825,6 +2873,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     rank = launch_rank()
+    if rank == 0 and not (args.check or args.measure):  # TRL runs rollouts on the main process only
+        rollout_child_context()  # its imports run beside the preflight's and the model load
     share = join_ranks(collective_timeout_s(args)) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
     try:
@@ -2944,6 +2994,8 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
         pass  # every rank raised it at the same batch; unwinding ran TRL's cleanup (rollout child, server sessions)
     except RuntimeError as exc:
         cause = str(exc.__cause__ or exc)
+        # The step's progress bar (stderr, no newline while it runs) still holds the line the error would join.
+        print(file=sys.stderr)
         if ROLLOUTS_FAILING in cause:
             reason = cause.split(ROLLOUTS_FAILING, 1)[1].splitlines()[0].strip()
             if server is not None and server.proc is not None and server.proc.poll() is not None:

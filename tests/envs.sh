@@ -1,6 +1,8 @@
 # Sourced by tests/run.sh and bench/run.sh: builds the two environments of the CPU rig once (cached outside the
 # clone, keyed by their requirements, so reruns on one machine install nothing) and exports AGH_SERVER_PYTHON,
 # AGH_TRAINER_PYTHON and AGH_CACHE_DIR. Expects $root (the clone) to be set.
+# Without $root every path below is empty, and an empty venv dir means the current one (seen: a venv in the clone).
+: "${root:?set root to the clone before sourcing tests/envs.sh}"
 cache=${AGH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/async_grpo_harbor}
 mkdir -p "$cache"
 
@@ -33,8 +35,8 @@ build_env() {  # name, python, requirements file, venv dir
   touch "$dir/.complete"
 }
 
-trainer=$(env_dir trainer tests/requirements-trainer.txt)
-server=$(env_dir server tests/requirements-server.txt)
+trainer=$(env_dir trainer tests/requirements-trainer.txt) || exit 2
+server=$(env_dir server tests/requirements-server.txt) || exit 2
 py311=$(find_python 3.11)
 py312=$(find_python 3.12)
 # A fresh clone builds both at once: each pip is mostly one core, and this is a third of a first CI run.
