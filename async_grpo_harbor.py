@@ -2690,7 +2690,10 @@ def rollout_child_context() -> Any:
         multiprocessing.forkserver.ensure_running()
     finally:
         for name, value in gpus.items():
-            os.environ.pop(name) if value is None else os.environ.update({name: value})
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return context
 
