@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RIG = ROOT / "tests" / "rig"
 SCRIPT = ROOT / "async_grpo_harbor.py"
 SERVED_NAME = "tiny-qwen3"
-# Solve probabilities of the stand-in engine's scripted policy: one task always solved, one never, two sometimes.
+# Solve rates of the stand-in engine's scripted policy: one task always solved, one never, two in exactly half of
+# their rollouts (tests/rig/engine.py), so every group of a coin task varies.
 POLICY = {"tasks": {"echo-hello": 1.0, "never": 0.0, "coin": 0.5, "coin2": 0.5}, "answers": {"echo-hello": "hello"}}
 # Credentials users hold; the trainer and the Harbor server get them, and nothing the run prints or writes may
 # show them.
@@ -258,6 +259,7 @@ def make_rig(tmp_path, tiny_model):
 
 # ---- what a training run printed and wrote
 TASKS = "echo-hello,coin,coin2,never"
+E2E_TASKS = "echo-hello,coin,coin2,coin"
 ROLLOUT = re.compile(r"\[harbor\] group (\d+) task (\d+) \(([\w-]+)\): (?:reward ([-\d.e]+)|unscorable)")
 
 
@@ -271,8 +273,8 @@ def rollouts(stdout: str) -> list[tuple[int, str, float | None]]:
 TRAIN_ZERO_VARIANCE = ["--max-zero-variance-groups", "0"]
 
 
-def train_args(rig: Rig, out: Path, *extra: str) -> list[str]:
-    return [*rig.base_args(), "--tasks", TASKS, "--num-generations", "4", "--max-inflight", "4",
+def train_args(rig: Rig, out: Path, *extra: str, tasks: str = TASKS) -> list[str]:
+    return [*rig.base_args(), "--tasks", tasks, "--num-generations", "4", "--max-inflight", "4",
             "--micro-batches-per-step", "1", "--max-staleness", "2", "--learning-rate", "1e-3",
             "--temperature", "0.7", "--agent-step-limit", "6", "--agent-timeout", "60",
             "--output-dir", str(out), "--run-name", "e2e", *TRAIN_ZERO_VARIANCE, *extra]
@@ -306,9 +308,12 @@ def trained(rig, tmp_path_factory):
     each, trackio, harnesses rotated per group. One run, read by test_train_e2e."""
     work = tmp_path_factory.mktemp("train")
     chats, started = len(rig.engine_stats()["chat"]), datetime.now(timezone.utc)
+    # One task whose groups never vary, kept out by the default filter, and three whose groups always do: a step's
+    # micro-batch closes only when the next varied group arrives (one more is collated ahead), so each flat group
+    # in the list delays the run by a group's rollouts.
     args, env = embedded(default_filter(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1",
                                                    "--report-to", "trackio", "--project", "e2e", "--harness",
-                                                   ",".join(HARNESSES))), work)
+                                                   ",".join(HARNESSES), tasks=E2E_TASKS)), work)
     proc = run_script(args, cwd=work, HF_HOME=str(work / "hf"), TRACKIO_DIR=str(work / "trackio"), **SECRETS, **env)
     # What the engine was asked during this run alone: later tests share the engine.
     return proc, work / "out", rig, (rig.engine_stats()["chat"][chats:], started)

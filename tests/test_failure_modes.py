@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPT, Rig, assert_all_slots_free, log_history, rollouts, run_script, script_env, train_args
+from conftest import (POLICY, SCRIPT, assert_all_slots_free, log_history, post_json, rollouts, run_script, script_env,
+                      train_args)
 
 
 def test_all_failing_rollouts_stop_training_with_the_reason(rig, tmp_path):
@@ -62,22 +63,19 @@ def test_a_stop_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, how):
     # process-group: what SLURM and Ctrl-C do; the child must not die before it released its server sessions.
     # trainer-sigkill: the OOM killer; no cleanup of the trainer's runs, the child must still leave and release them.
     args = train_args(rig, tmp_path / "out", "--max-steps", "50")
+    seen = len(rig.engine_stats()["chat"])
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=script_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
-    started = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("[harbor] group"):
-                started.set()
-
-    reader = threading.Thread(target=read, daemon=True)
+    reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
     reader.start()
     try:
-        assert started.wait(300), "".join(lines)[-3000:]
-        time.sleep(2)  # the next rollouts are now in flight
+        # Rollouts are in flight once a harness has made its first model call (the preflight's probes name no task).
+        deadline = time.monotonic() + 300
+        while not [c for c in rig.engine_stats()["chat"][seen:] if c["script"].startswith(("solve:", "fail:"))
+                   and not c["script"].endswith(":unknown")]:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
         family = descendants(proc.pid)
         assert family, "no rollout child"
         if how == "process-group":
@@ -108,16 +106,16 @@ def test_a_stop_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, how):
 
 
 @pytest.fixture(scope="module")
-def skewed_run(tmp_path_factory, tiny_model):
+def skewed_run(rig, tmp_path_factory):
     """One run read by two tests: an engine that samples at T but reports logprobs at T + 0.3, and a task list whose
     first task never scores."""
     work = tmp_path_factory.mktemp("skewed")
-    skewed = Rig(work / "rig", tiny_model, ["--score-temperature-offset", "0.3"])
+    post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "score_temperature_offset": 0.3})
     try:
-        proc = run_script(train_args(skewed, work / "out", "--tasks", "broken,coin,coin2,echo-hello", "--max-steps",
-                                     "2", "--save-steps", "2"), cwd=work)
+        proc = run_script(train_args(rig, work / "out", "--tasks", "broken,coin,coin2,echo-hello", "--max-steps", "2",
+                                     "--save-steps", "2"), cwd=work)
     finally:
-        skewed.stop()
+        post_json(f"{rig.engine_url}/stand_in/policy", POLICY)
     return proc, work / "out"
 
 

@@ -14,8 +14,8 @@ from collections import defaultdict
 from datetime import datetime
 
 import pytest
-from conftest import (HARNESSES, MAX_MODEL_LEN, SECRETS, TASKS, assert_all_slots_free, default_filter, log_history,
-                      rollouts, run_main, run_script, train_args)
+from conftest import (E2E_TASKS, HARNESSES, MAX_MODEL_LEN, SECRETS, TASKS, assert_all_slots_free, default_filter,
+                      log_history, rollouts, run_main, run_script, train_args)
 from safetensors.torch import load_file
 from test_refusals import assert_refused
 
@@ -102,7 +102,7 @@ def test_zero_variance_accounting_matches_the_rewards_produced(trained):
         assert logged.get("harbor/zero_variance_frac") == (len(flat) / len(scored) if scored else None)
         assert logged.get("harbor/zero_variance_frac_cumulative") == (zero / groups if groups else None)
         assert logged["harbor/groups_total"] == groups and logged["harbor/zero_variance_groups_total"] == zero
-    assert zero > 0, "echo-hello and never score alike in every group"
+    assert zero > 0, "echo-hello scores alike in every group"
 
 
 TRAINED = re.compile(r"\[harbor\] step (\d+): .*; trained (\d+) groups \(([\d,]+|-)\), (\d+) samples, (\d+) tokens")
@@ -124,7 +124,7 @@ def test_only_groups_with_reward_variance_reach_the_loss(trained):
     assert [int(s[0]) for s in steps] == [1, 2, 3], proc.stdout[-3000:]
     trained_groups = [int(g) for s in steps if s[2] != "-" for g in s[2].split(",")]
     assert trained_groups and set(trained_groups) <= mixed, (trained_groups, dict(produced))
-    assert flat, "echo-hello and never score alike in every group"
+    assert flat, "echo-hello scores alike in every group"
     history = {e["step"]: e for e in log_history(out)}
     for step, groups, _, samples, tokens in steps:
         logged = history[int(step)]
@@ -229,7 +229,7 @@ def test_each_group_runs_one_harness_and_metrics_are_split_per_harness(trained):
         count[harness] += 1
     assert groups and all(len(runs) == 1 for runs in groups.values()), dict(groups)
     # The first pass over the tasks alternates harnesses group by group.
-    first_pass = [next(iter(groups[g]))[1] for g in sorted(groups) if g < len(TASKS.split(","))]
+    first_pass = [next(iter(groups[g]))[1] for g in sorted(groups) if g < len(E2E_TASKS.split(","))]
     assert first_pass == [HARNESSES[g % 2] for g in range(len(first_pass))] and len(first_pass) >= 2
     history = log_history(out)
     for harness in HARNESSES:

@@ -1,7 +1,7 @@
 """Loopback stand-in for `vllm serve` (0.29) on CPU, speaking the wire contract the rig depends on.
 
     python tests/rig/engine.py --model-dir DIR --port P --served-name NAME [--policy policy.json] [--dtype D]
-                               [--logprobs-mode M] [--score-temperature-offset X] [--no-token-ids]
+                               [--logprobs-mode M] [--no-token-ids]
 
 Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_logprobs
 --return-tokens-as-token-ids --enable-auto-tool-choice --tool-call-parser hermes
@@ -11,7 +11,7 @@ Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_
   chat template rendering of `messages` + `tools`, tokenised locally; the completion is SCRIPTED text (a random
   tiny model cannot act) encoded + `<|im_end|>`, and its logprobs are what the tiny model really assigns to those ids:
   log_softmax(logits / T) at the request temperature (processed logprobs; T absent or ~0 scores at 1.0, as vLLM's
-  greedy path does). `--score-temperature-offset X` scores at T + X, a deliberately mismatched engine.
+  greedy path does); the policy's `score_temperature_offset` X scores at T + X, a deliberately mismatched engine.
   `--no-token-ids` answers like a plain OpenAI server: no ids, no logprobs (OpenEnv grades it `eval`).
   The model runs in vLLM's `--dtype` (default auto: a float32 checkpoint is served in bfloat16, as vLLM does on a
   GPU), so logprobs carry the serving precision and pushed weights are rounded to it.
@@ -28,22 +28,25 @@ Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_
 
 Policy (`--policy`, JSON; every key optional):
 
-    {"tasks":   {"echo-hello": 1.0, "never": 0.0, "coin": 0.5},  # P(solve) per task
-     "default": 0.5,                                             # P(solve) for a task not listed (or unmarked)
+    {"tasks":   {"echo-hello": 1.0, "never": 0.0, "coin": 0.5},  # solve rate per task
+     "default": 0.5,                                             # solve rate for a task not listed (or unmarked)
      "answers": {"echo-hello": "hello"},                         # what solving writes; default: the task name
      "answer_file": "/app/answer.txt",                           # where both scripts write
      "wrong_answer": "wrong",                                    # what failing writes
-     "seed": 0,
+     "score_temperature_offset": 0.3,  # logprobs scored at T + 0.3: an engine that reports another policy than
+                                       # the one it sampled from
      "hold_from_weight_version": 3}  # from the 3rd weight load on, chat requests wait until a policy without
                                      # this key is set: rollouts stall, so the trainer waits for them
 
 A conversation names its task with a `rig-task: NAME` marker anywhere in a user message (put it in the Harbor
 task's instruction; mini-swe-agent embeds the instruction in its first user message). With tools offered, the
 script is what mini-swe-agent 2.4.6 acts on, a Qwen3/hermes `bash` tool call per turn:
-    turn 0: `mkdir -p DIR && printf '%s\\n' ANSWER > FILE`  (ANSWER, or wrong_answer with probability 1 - P(solve))
+    turn 0: `mkdir -p DIR && printf '%s\\n' ANSWER > FILE`  (ANSWER when this rollout solves, else wrong_answer)
     turn 1+: `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`   (mini-swe-agent's submit command, which ends the run)
-Without tools the reply is the text `ok`. The solve/fail draw is seeded by (seed, request counter), so it is
-deterministic given request order yet varies across the rollouts of one group.
+Without tools the reply is the text `ok`. Solves come in the exact proportion of the task's rate, whatever the
+order requests arrive in: the n-th rollout of a task (counted from 0 per engine) solves when floor((n + 1) p) >
+floor(n p). At p = 0.5 that alternates, so any 2m consecutive rollouts of a task (a GRPO group of 4, an eval's k)
+hold exactly m solves: every group of a coin task varies, and a measured pass rate is exact, not a draw.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import re
 import shlex
 import threading
@@ -79,13 +81,13 @@ class HTTPError(Exception):
 
 
 class Engine:
-    def __init__(self, model_dir, served_name, policy, score_offset=0.0, token_ids=True, max_model_len=32768,
+    def __init__(self, model_dir, served_name, policy, token_ids=True, max_model_len=32768,
                  logprobs_mode="processed_logprobs", tool_parser=True, weight_transfer=True, dtype="auto"):
         self.model_dir, self.served_name = str(model_dir), served_name
         self.logprobs_mode, self.tool_parser, self.weight_transfer = logprobs_mode, tool_parser, weight_transfer
         # vLLM's context length: the trainer's default token budget per micro-batch, so it decides samples per step.
         self.max_model_len = max_model_len
-        self.policy, self.score_offset, self.token_ids = policy, score_offset, token_ids
+        self.policy, self.token_ids = policy, token_ids
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.dtype = resolve_dtype(dtype, AutoConfig.from_pretrained(model_dir).dtype)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).eval()
@@ -96,6 +98,7 @@ class Engine:
         self.running.set()
         self.weight_version = 0
         self.n_requests = 0
+        self.rollouts_by_task: dict[str, int] = {}
         self.requests: list[dict] = []
         self.control_calls: dict[str, int] = {}
 
@@ -138,7 +141,7 @@ class Engine:
 
         temperature = body.get("temperature")
         score_t = (1.0 if temperature is None or temperature < GREEDY_EPS or self.logprobs_mode.startswith("raw")
-                   else float(temperature)) + self.score_offset
+                   else float(temperature)) + self.policy.get("score_temperature_offset", 0.0)
         # vLLM fills logprobs.content only when top_logprobs is set (SamplingParams.logprobs = top_logprobs).
         want_logprobs = self.token_ids and body.get("logprobs") and body.get("top_logprobs") is not None
         self.running.wait()
@@ -179,7 +182,10 @@ class Engine:
         match = TASK_MARKER.search(user_text)
         task = match.group(1) if match else "unknown"
         p_solve = policy.get("tasks", {}).get(task, policy.get("default", 0.5))
-        solve = random.Random(f"{policy.get('seed', 0)}:{index}").random() < p_solve
+        with self.state_lock:
+            n = self.rollouts_by_task.get(task, 0)
+            self.rollouts_by_task[task] = n + 1
+        solve = math.floor((n + 1) * p_solve) > math.floor(n * p_solve)
         answer = policy.get("answers", {}).get(task, task) if solve else policy.get("wrong_answer", "wrong")
         path = policy.get("answer_file", "/app/answer.txt")
         command = (f"mkdir -p {shlex.quote(str(PurePosixPath(path).parent))} && "
@@ -391,7 +397,6 @@ def main(argv=None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--served-name", required=True)
     parser.add_argument("--policy", help="policy JSON file (schema in this module's docstring)")
-    parser.add_argument("--score-temperature-offset", type=float, default=0.0)
     parser.add_argument("--no-token-ids", action="store_true")
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--logprobs-mode", default="processed_logprobs",
@@ -403,7 +408,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     policy = json.load(open(args.policy)) if args.policy else {}
     torch.set_num_threads(1)  # the trainer shares this CPU; a tiny model gains nothing from more threads
-    engine = Engine(args.model_dir, args.served_name, policy, args.score_temperature_offset, not args.no_token_ids,
+    engine = Engine(args.model_dir, args.served_name, policy, not args.no_token_ids,
                     args.max_model_len, args.logprobs_mode, not args.no_tool_parser, not args.no_weight_transfer,
                     args.dtype)
     server = ThreadingHTTPServer((args.host, args.port), _handler(engine, not args.no_dev_mode))
