@@ -1,9 +1,10 @@
 """Benchmark (not a test): how much of a short run's signal does --curate recover?
 
-On the CPU rig (the stand-in engine's scripted policy solves echo-hello always, never never, coin and coin2 half the
-time), measure pass rates with --eval-only --curate, then train the same short run twice on the same rig, once on
-the full task list and once on the curated one, and compare the fraction of GRPO groups whose rewards were all equal
-(they teach nothing). Expected with G=4: full ~ (1 + 1 + 2/8) / 4 = 0.56, curated ~ 2/8 / 2 = 0.125.
+On the CPU rig (the stand-in engine's scripted policy solves echo-hello always, never never, coin and coin2 in exactly
+half of their rollouts, alternating), measure pass rates with --eval-only --curate, then train the same short run
+twice on the same rig, once on the full task list and once on the curated one, and compare the fraction of GRPO
+groups whose rewards were all equal (they teach nothing). Expected with G=4: full ~ (1 + 1 + 0 + 0) / 4 = 0.5,
+curated ~ 0 (with the random engine this replaced, whose coin groups were flat 2 times in 16: 0.56 and 0.125).
 
     AGH_SERVER_PYTHON=$(ls -d ~/.cache/async_grpo_harbor/server-*)/bin/python \
         $(ls -d ~/.cache/async_grpo_harbor/trainer-*)/bin/python bench/curate_signal.py [--steps 4] [--eval-k 12]

@@ -1,13 +1,15 @@
 """Benchmark (not a test): how much of what reaches the loss carries signal, with zero-variance groups trained (TRL's
 behaviour) and kept out (the script's default).
 
-On the CPU rig (the stand-in engine's scripted policy solves echo-hello always, never never, coin and coin2 half the
-time), train the same short run twice, side by side on one rig, `--max-zero-variance-groups 0` (off) and the default
-(on), and read each optimizer step's `harbor/trained/tokens` (loss tokens, TRL's own count) and
-`harbor/trained/informative_token_frac` (the share of them with a non-zero advantage). A zero-variance group's tokens
-carry advantage 0 but still count in the loss's token mean, so with the filter off the informative share is about
-the share of tokens from mixed groups (with G=4: coin and coin2 mix 7 groups in 8, the others never: ~0.44), and it
-moves from step to step with whichever groups happen to fill it. With the filter on it should be 1.0 every step.
+On the CPU rig (the stand-in engine's scripted policy solves echo-hello always, never never, coin and coin2 in exactly
+half of their rollouts, alternating), train the same short run twice, side by side on one rig,
+`--max-zero-variance-groups 0` (off) and the default (on), and read each optimizer step's `harbor/trained/tokens`
+(loss tokens, TRL's own count) and `harbor/trained/informative_token_frac` (the share of them with a non-zero
+advantage). A zero-variance group's tokens carry advantage 0 but still count in the loss's token mean, so with the
+filter off the informative share is about the share of tokens from mixed groups (with G=4: coin and coin2 mix every
+group, the others never: ~0.5; the two runs share the engine's per-task count, so a group whose first calls
+interleave with the other run's may not mix), and it moves from step to step with whichever groups happen to fill
+it. With the filter on it should be 1.0 every step.
 
     AGH_SERVER_PYTHON=$(ls -d ~/.cache/async_grpo_harbor/server-*)/bin/python \\
         $(ls -d ~/.cache/async_grpo_harbor/trainer-*)/bin/python bench/informative_tokens.py [--steps 3]

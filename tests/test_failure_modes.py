@@ -63,19 +63,19 @@ def test_a_stop_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, how):
     # process-group: what SLURM and Ctrl-C do; the child must not die before it released its server sessions.
     # trainer-sigkill: the OOM killer; no cleanup of the trainer's runs, the child must still leave and release them.
     args = train_args(rig, tmp_path / "out", "--max-steps", "50")
-    seen = len(rig.engine_stats()["chat"])
+    sandboxes = rig.workdir / "sandboxes"  # one dir per trial (tests/rig/local_sandbox.py)
+    earlier = set(sandboxes.iterdir()) if sandboxes.exists() else set()
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=script_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
     reader.start()
     try:
-        # Rollouts are in flight once a harness has made its first model call (the preflight's probes name no task).
+        # Rollouts are in flight once a harness of this run is running: a new sandbox, its agent's log begun.
         deadline = time.monotonic() + 300
-        while not [c for c in rig.engine_stats()["chat"][seen:] if c["script"].startswith(("solve:", "fail:"))
-                   and not c["script"].endswith(":unknown")]:
+        while not [log for log in sandboxes.glob("*/logs/agent/mini-swe-agent.txt") if log.parents[2] not in earlier]:
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
-            time.sleep(0.2)
+            time.sleep(0.5)
         family = descendants(proc.pid)
         assert family, "no rollout child"
         if how == "process-group":
@@ -116,6 +116,7 @@ def skewed_run(rig, tmp_path_factory):
                                      "--save-steps", "2"), cwd=work)
     finally:
         post_json(f"{rig.engine_url}/stand_in/policy", POLICY)
+    assert_all_slots_free(rig)  # the shared rig's later users need them all
     return proc, work / "out"
 
 

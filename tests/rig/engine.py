@@ -43,10 +43,11 @@ task's instruction; mini-swe-agent embeds the instruction in its first user mess
 script is what mini-swe-agent 2.4.6 acts on, a Qwen3/hermes `bash` tool call per turn:
     turn 0: `mkdir -p DIR && printf '%s\\n' ANSWER > FILE`  (ANSWER when this rollout solves, else wrong_answer)
     turn 1+: `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`   (mini-swe-agent's submit command, which ends the run)
-Without tools the reply is the text `ok`. Solves come in the exact proportion of the task's rate, whatever the
-order requests arrive in: the n-th rollout of a task (counted from 0 per engine) solves when floor((n + 1) p) >
-floor(n p). At p = 0.5 that alternates, so any 2m consecutive rollouts of a task (a GRPO group of 4, an eval's k)
-hold exactly m solves: every group of a coin task varies, and a measured pass rate is exact, not a draw.
+Without tools the reply is the text `ok`. Solves come in the exact proportion of the task's rate: the n-th turn-0
+call of a task this engine answers (counted from 0, across every run it serves) solves when floor((n + 1) p) >
+floor(n p). At p = 0.5 that alternates, so any 2m consecutive turn-0 calls of a task hold exactly m solves: an eval's
+k rollouts of a task (run alone on its engine) give an exact pass rate, and a GRPO group of 4 gets exactly 2 when its
+rollouts' first calls come together (at least 1 and at most 3 when another group's of the same task cut in).
 """
 
 from __future__ import annotations
@@ -123,8 +124,6 @@ class Engine:
             **(body.get("chat_template_kwargs") or {}))
         prompt_ids = self.tokenizer.encode(prompt_text, add_special_tokens=False)
 
-        decision, reply = self._script(messages, tools, index)
-        completion_ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_id]
         caps = [c for c in (body.get("max_completion_tokens"), body.get("max_tokens")) if c is not None]
         room = self.max_model_len - len(prompt_ids)
         if caps and min(caps) > room:
@@ -134,6 +133,8 @@ class Engine:
                                  f"maximum context length is {self.max_model_len} tokens and your request has "
                                  f"{len(prompt_ids)} input tokens ({min(caps)} > {self.max_model_len} - "
                                  f"{len(prompt_ids)}).")
+        decision, reply = self._script(messages, tools, index)  # after the refusal: a refused call solves nothing
+        completion_ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_id]
         cap = min(caps + [room])
         truncated = len(completion_ids) > cap
         completion_ids = completion_ids[:cap]
@@ -171,7 +172,7 @@ class Engine:
         return response
 
     def _script(self, messages, tools, index) -> tuple[str, str]:
-        """(decision, completion text). Only turn 0 draws, so one rollout never mixes solve and fail."""
+        """(decision, completion text). Only turn 0 decides, so one rollout never mixes solve and fail."""
         if not tools:
             return "reply", "ok"
         if any(m.get("role") == "assistant" for m in messages):
