@@ -273,10 +273,16 @@ def rollouts(stdout: str) -> list[tuple[int, str, float | None]]:
 TRAIN_ZERO_VARIANCE = ["--max-zero-variance-groups", "0"]
 
 
+# Generations per group in every training launch, one group in flight. A rollout's CPU is mostly its harness starting
+# (mini-swe-agent imports litellm: ~4.5 s), so a launch's time is its groups times this; under the exact-rate engine a
+# group of two of a coin task varies as surely as one of four.
+GENERATIONS = 2
+
+
 def train_args(rig: Rig, out: Path, *extra: str, tasks: str = TASKS) -> list[str]:
-    return [*rig.base_args(), "--tasks", tasks, "--num-generations", "4", "--max-inflight", "4",
-            "--micro-batches-per-step", "1", "--max-staleness", "2", "--learning-rate", "1e-3",
-            "--temperature", "0.7", "--agent-step-limit", "6", "--agent-timeout", "60",
+    return [*rig.base_args(), "--tasks", tasks, "--num-generations", str(GENERATIONS),
+            "--max-inflight", str(GENERATIONS), "--micro-batches-per-step", "1", "--max-staleness", "2",
+            "--learning-rate", "1e-3", "--temperature", "0.7", "--agent-step-limit", "6", "--agent-timeout", "60",
             "--output-dir", str(out), "--run-name", "e2e", *TRAIN_ZERO_VARIANCE, *extra]
 
 

@@ -16,10 +16,11 @@ import signal
 import subprocess
 import sys
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from conftest import POLICY, SCRIPT, free_port, log_history, post_json, rollouts, script_env, train_args
+from conftest import GENERATIONS, POLICY, SCRIPT, free_port, log_history, post_json, rollouts, script_env, train_args
 from test_preemption import agh, assert_resumed_order
 
 REQUEUE = 75
@@ -113,9 +114,10 @@ def assert_stopped_every_rank(output: str, out: Path, saved: dict) -> None:
 
 
 def test_the_process_group_timeout_is_sized_from_the_rollout_budget(stopped_and_resumed):
-    # 4 generations x (60 s agent timeout + 1800 s margin), read back from the group torch created.
+    # --num-generations x (60 s agent timeout + 1800 s margin), read back from the group torch created.
     _, first, *_ = stopped_and_resumed
-    assert re.search(rf"ranks\s+{RANKS} ranks \(gloo\), collective timeout 2:04:00\n", first), first[:5000]
+    timeout = timedelta(seconds=GENERATIONS * (60 + 1800))
+    assert re.search(rf"ranks\s+{RANKS} ranks \(gloo\), collective timeout {timeout}\n", first), first[:5000]
 
 
 def test_the_same_command_resumes_every_rank_with_the_task_order_continuing(stopped_and_resumed):

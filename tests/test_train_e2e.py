@@ -14,8 +14,8 @@ from collections import defaultdict
 from datetime import datetime
 
 import pytest
-from conftest import (E2E_TASKS, HARNESSES, MAX_MODEL_LEN, SECRETS, TASKS, assert_all_slots_free, default_filter,
-                      log_history, rollouts, run_main, run_script, train_args)
+from conftest import (E2E_TASKS, GENERATIONS, HARNESSES, MAX_MODEL_LEN, SECRETS, TASKS, assert_all_slots_free,
+                      default_filter, log_history, rollouts, run_main, run_script, train_args)
 from safetensors.torch import load_file
 from test_refusals import assert_refused
 
@@ -95,7 +95,7 @@ def test_zero_variance_accounting_matches_the_rewards_produced(trained):
     groups = zero = 0
     for step, _, scored, _, flat in steps:
         scored, flat = ([int(g) for g in ids.split(",")] if ids != "-" else [] for ids in (scored, flat))
-        assert all(len(produced[g]) == 4 for g in scored), "a group counted before all its generations finished"
+        assert all(len(produced[g]) == GENERATIONS for g in scored), "a group counted before all its rollouts finished"
         assert flat == [g for g in scored if len({r for r in produced[g] if r is not None}) == 1]
         groups, zero = groups + len(scored), zero + len(flat)
         logged = history[int(step)]
@@ -118,8 +118,8 @@ def test_only_groups_with_reward_variance_reach_the_loss(trained):
     produced = defaultdict(list)
     for group, _, reward in rollouts(proc.stdout):
         produced[group].append(reward)
-    mixed = {g for g, rewards in produced.items() if len(rewards) == 4 and len(set(rewards)) > 1}
-    flat = {g for g, rewards in produced.items() if len(rewards) == 4 and len(set(rewards)) == 1}
+    whole = {g: set(rewards) for g, rewards in produced.items() if len(rewards) == GENERATIONS}
+    mixed, flat = {g for g, r in whole.items() if len(r) > 1}, {g for g, r in whole.items() if len(r) == 1}
     steps = TRAINED.findall(proc.stdout)
     assert [int(s[0]) for s in steps] == [1, 2, 3], proc.stdout[-3000:]
     trained_groups = [int(g) for s in steps if s[2] != "-" for g in s[2].split(",")]
@@ -136,9 +136,10 @@ def test_only_groups_with_reward_variance_reach_the_loss(trained):
     summary = SUMMARY.search(proc.stdout)
     assert summary, proc.stdout[-3000:]
     finished, reached, groups, tokens, unscorable, zero_variance, rest = map(int, summary.groups())
-    assert finished == len(rollouts(proc.stdout)) and reached == 4 * len(trained_groups) == 4 * groups
+    assert finished == len(rollouts(proc.stdout))
+    assert reached == GENERATIONS * len(trained_groups) == GENERATIONS * groups
     assert tokens == sum(int(s[4]) for s in steps) and unscorable == 0
-    assert zero_variance == 4 * len(flat) and reached + zero_variance + rest == finished
+    assert zero_variance == GENERATIONS * len(flat) and reached + zero_variance + rest == finished
     last = history[3]
     assert last["harbor/trained/rollouts_total"] + last["harbor/not_trained/zero_variance_total"] + last[
         "harbor/not_trained/stale_or_pending_total"] + last["harbor/not_trained/unscorable_total"] == last[
@@ -157,7 +158,7 @@ def test_a_suite_that_never_varies_stops_with_the_reason(rig, tmp_path):
     assert "Traceback" not in proc.stderr and "[harbor] step" not in proc.stdout  # no optimizer step: nothing trained
     summary = re.search(r"\[harbor\] rollouts: (\d+) finished; 0 reached the loss .*?(\d+) in zero-variance groups "
                         r"\(kept out\)", proc.stdout)
-    assert summary and int(summary[2]) >= 8, proc.stdout[-3000:]
+    assert summary and int(summary[2]) >= 2 * GENERATIONS, proc.stdout[-3000:]
     assert_all_slots_free(rig)
 
 
@@ -175,7 +176,7 @@ def test_rollout_time_is_accounted_per_step(trained):
 
 
 def test_concurrent_rollouts_run_side_by_side(trained):
-    # One client per session: with --max-inflight 4, Harbor trials of this run overlap in time on the server.
+    # One client per session: a group's Harbor trials (--max-inflight, one group) overlap in time on the server.
     _, out, _, before = trained
     spans = []
     for result in (out.parent / "trials").glob("*/result.json"):
@@ -188,7 +189,7 @@ def test_concurrent_rollouts_run_side_by_side(trained):
     for _, step in events:
         running += step
         peak = max(peak, running)
-    assert peak >= 3, f"at most {peak} of {len(spans)} trials ran at once"
+    assert peak >= 2, f"at most {peak} of {len(spans)} trials ran at once"
 
 
 def test_rollout_child_exits_on_its_own(trained):

@@ -46,8 +46,8 @@ script is what mini-swe-agent 2.4.6 acts on, a Qwen3/hermes `bash` tool call per
 Without tools the reply is the text `ok`. Solves come in the exact proportion of the task's rate: the n-th turn-0
 call of a task this engine answers (counted from 0, across every run it serves) solves when floor((n + 1) p) >
 floor(n p). At p = 0.5 that alternates, so any 2m consecutive turn-0 calls of a task hold exactly m solves: an eval's
-k rollouts of a task (run alone on its engine) give an exact pass rate, and a GRPO group of 4 gets exactly 2 when its
-rollouts' first calls come together (at least 1 and at most 3 when another group's of the same task cut in).
+k rollouts of a task (run alone on its engine) give an exact pass rate, and a GRPO group of 2 or 4 gets exactly half
+when its rollouts' first calls come together (the training launches run one group at a time).
 """
 
 from __future__ import annotations
