@@ -66,6 +66,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -98,9 +99,7 @@ STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
 FORKSERVER_BLOCKED = STOP_SIGNALS | {signal.SIGINT}
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Arguments
-# ----------------------------------------------------------------------------------------------------------------------
+# --- Arguments --------------------------------------------------------------------------------------------------------
 def build_parser(trl_fields: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     """The script's flags; with AsyncGRPOConfig's fields (parse_trl_args), a TrlParser that declares the ones the
     script sets a default for as TRL does, in the script's groups, with its default and help."""
@@ -408,7 +407,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.trl = getattr(args, "trl", {})
     positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
                 "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1,
-                "save_total_limit": 0}
+                "save_total_limit": 0, "eval_k": 1, "max_staleness": 0, "agent_timeout": 0, "harbor_retry_window": 0,
+                "max_zero_variance_groups": 0}
     for name, low in positive.items():
         if (getattr(args, name) or 0) < low:  # save_total_limit may be None (TRL's `none`): keep all, as 0
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
@@ -416,8 +416,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.harnesses = [name.strip() for name in args.harness.split(",") if name.strip()]
     if not args.harnesses:
         raise UsageError("--harness is empty; name one, e.g. mini-swe-agent, or several: mini-swe-agent,terminus-2")
-    if args.eval_k < 1:
-        raise UsageError(f"--eval-k must be >= 1 (got {args.eval_k})")
     args.band = parse_band(args.band)
     if args.max_inflight < args.num_generations and not args.measure:
         raise UsageError(f"--max-inflight ({args.max_inflight}) must be >= --num-generations "
@@ -425,9 +423,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.temperature > 0:
         raise UsageError(f"--temperature must be > 0 (got {args.temperature}): the proxy enforces a "
                          "full-vocabulary sampling policy")
-    if min(args.max_staleness, args.agent_timeout, args.harbor_retry_window, args.max_zero_variance_groups) < 0:
-        raise UsageError("--max-staleness, --agent-timeout, --harbor-retry-window and --max-zero-variance-groups must "
-                         "be >= 0")
     if not 0 <= args.efficiency_weight < 1:
         raise UsageError(f"--efficiency-weight must be in [0, 1) (got {args.efficiency_weight}): at 1 the bonus would "
                          "reach the next correctness level")
@@ -489,9 +484,7 @@ def redact(text: str) -> str:
     return SECRET_SHAPES.sub(lambda m: f"{m[1]}<redacted>", text)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Tasks
-# ----------------------------------------------------------------------------------------------------------------------
+# --- Tasks ------------------------------------------------------------------------------------------------------------
 def read_task_spec(spec: str) -> list[tuple[str, str]]:
     """`0-3,7,name` or `@file` -> [(entry, where it came from)], so errors can name the line. Checks all that needs
     no server; whether each entry names a task is `resolve_tasks`' job."""
@@ -561,9 +554,7 @@ def task_rows(tasks: list[dict[str, Any]], split: str, harnesses: list[str]) -> 
             for harness in [harnesses[(i + shift) % len(harnesses)]]]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Session factory: one Harbor rollout per TRL session
-# ----------------------------------------------------------------------------------------------------------------------
+# --- Session factory: one Harbor rollout per TRL session --------------------------------------------------------------
 def rollout_budget_s(agent_timeout: float) -> float:
     """How long one `run_rollout` call may take: the agent's timeout (0: the task's own, at most an hour), plus
     sandbox setup and verification."""
@@ -748,30 +739,18 @@ class HarborServerSession:
         finally:
             conn.close()
 
-
-class HarborRolloutClient:
-    """`HarborEnv.run_rollout` (its exact wire contract) with its MCP calls riding a `HarborServerSession`.
-
-    Not a `HarborEnv` instance: its constructor builds an httpx client that a rollout never uses, and that costs
-    ~20 ms of CPU per rollout (TLS context) on the rollout child's thread pool.
-    """
-
-    def __init__(self, base_url: str, timeout_s: float):
-        self.server_session = HarborServerSession(base_url, timeout_s)
-
+    # `HarborEnv.run_rollout` (its exact wire contract) with its MCP calls riding this session. Not a `HarborEnv`
+    # instance: its constructor builds an httpx client a rollout never uses, ~20 ms of CPU per rollout (TLS context).
     def run_rollout(self, **kwargs: Any) -> HarborRolloutResult:
         from openenv.harbor.client import HarborEnv
 
         return HarborEnv.run_rollout(self, **kwargs)
 
     def _call(self, name: str, **kwargs: Any) -> Any:
-        result = self.server_session.call_tool(name, kwargs)
+        result = self.call_tool(name, kwargs)
         if isinstance(result, dict) and result.get("isError"):
             raise RuntimeError(f"tool {name!r} failed: {json.dumps(result.get('content'))[:300]}")
         return result
-
-    def close(self) -> None:
-        self.server_session.close()
 
 
 # OpenEnv's `ResourceSession` and `ResourceSessionFactory` by shape, not by inheritance: they live in `openenv.core`,
@@ -795,7 +774,7 @@ class HarborSession:
         self.group = group
         self.label = f"group {group} task {self._task_index} ({self.task_name})"
         self.score: RolloutScore | None = None
-        self._client = HarborRolloutClient(factory.harbor_url, factory.request_timeout_s)
+        self._client = HarborServerSession(factory.harbor_url, factory.request_timeout_s)
         self.result: HarborRolloutResult | None = None
         self.failure: Failure | None = None
         self.started = 0.0
@@ -811,7 +790,7 @@ class HarborSession:
         raise NotImplementedError("the harness owns its loop; tools run inside the sandbox")
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
-        f, session = self._factory, self._client.server_session
+        f, session = self._factory, self._client
         self.started = time.time()
         # The proxy accepts a training policy only from an engine it captures tokens from; any engine takes an eval one.
         policy = {"purpose": "eval", "eval_sampling": f.eval_sampling} if f.eval_sampling else {"sampling": f.sampling}
@@ -867,7 +846,7 @@ class HarborSession:
         from openenv.core.harness import TrainingTrace
         from openenv.harbor.contract import to_training_trace
 
-        if self._client.server_session.closed:
+        if self._client.closed:
             return TrainingTrace(turns=[])  # abandoned at stop: neither a sample nor a failure
         if self.failure is None:
             try:
@@ -879,7 +858,7 @@ class HarborSession:
                 if self._factory.reward_fn is not None:
                     # What TRL's rollout reward will be, so the group accounting shapes the rewards it trains on.
                     self.score = self._factory.reward_fn(
-                        RewardInputs(env_reward=self.result.reward, trace=trace.turns, tool_call_count=0))
+                        types.SimpleNamespace(env_reward=self.result.reward, trace=trace.turns, tool_call_count=0))
         self._factory.record_outcome(self)
         return TrainingTrace(turns=[]) if self.failure is not None else trace
 
@@ -909,23 +888,16 @@ class HarborSessionFactory:
                  agent_timeout_s: float, max_consecutive_failures: int, retry_window_s: float = 300.0,
                  sampling: dict[str, Any] | None = None, require_tokens: bool = True, record_path: str = "",
                  reward_fn: Any = None, eval_sampling: dict[str, Any] | None = None):
-        self.harbor_url = harbor_url
-        self.harness = harness
-        self.sandbox = sandbox
-        self.reward_key = reward_key
-        self.agent_step_limit = agent_step_limit
-        self.agent_timeout_s = agent_timeout_s
-        self.request_timeout_s = rollout_budget_s(agent_timeout_s)
-        self.retry_window_s = retry_window_s
-        self.max_consecutive_failures = max_consecutive_failures
+        self.harbor_url, self.harness, self.sandbox, self.reward_key = harbor_url, harness, sandbox, reward_key
+        self.agent_step_limit, self.agent_timeout_s = agent_step_limit, agent_timeout_s
+        self.request_timeout_s, self.retry_window_s = rollout_budget_s(agent_timeout_s), retry_window_s
+        self.max_consecutive_failures, self.reward_fn = max_consecutive_failures, reward_fn
         self.sampling = dict(sampling or {})
         # False for --eval-only: a rollout of an engine without token ids is measurable, just not trainable.
         self.require_tokens = require_tokens
         self.eval_sampling = dict(eval_sampling or {})
         # One JSON line per finished rollout, for the trainer's accounting and for the user to read.
         self.record_path = record_path
-        self.reward_fn = reward_fn
-        # Where TRL's rollout child's stderr goes once this factory stops the run: the trainer says why in one line.
         self._lock = threading.Lock()
         self._consecutive_failures = 0
         self._outage_since: float | None = None  # since when the server has not answered (monotonic)
@@ -963,7 +935,7 @@ class HarborSessionFactory:
         # a trainer SIGKILLed as the next group started left two of the server's slots taken.
         deadline = time.monotonic() + 10.0
         for session in sessions:
-            session._client.server_session.settled.wait(max(0.0, deadline - time.monotonic()))
+            session._client.settled.wait(max(0.0, deadline - time.monotonic()))
         os._exit(exit_code)
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:
@@ -1054,16 +1026,7 @@ def session_settings(args: argparse.Namespace) -> dict[str, Any]:
             "retry_window_s": args.harbor_retry_window}
 
 
-class RewardInputs:
-    """The fields of TRL's `HarnessRolloutOutcome` that `harbor_reward` reads, for computing it outside TRL."""
-
-    def __init__(self, env_reward: float | None, trace: list, tool_call_count: int):
-        self.env_reward, self.trace, self.tool_call_count = env_reward, trace, tool_call_count
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Reward
-# ----------------------------------------------------------------------------------------------------------------------
+# --- Reward -----------------------------------------------------------------------------------------------------------
 class RolloutScore(NamedTuple):
     """What one rollout brings to its group's rewards: how correct it was, and how few turns it took."""
 
@@ -1104,9 +1067,7 @@ def zero_variance(rewards: list[float | None]) -> bool:
     return len({r for r in rewards if r is not None}) <= 1
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The Harbor server: the user's (--harbor-url), or one this script starts and owns
-# ----------------------------------------------------------------------------------------------------------------------
+# --- The Harbor server: the user's (--harbor-url), or one this script starts and owns ---------------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1190,9 +1151,7 @@ class EmbeddedHarborServer:
             proc.wait()
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Preflight (`--check`, and before every run): refuse a setup that would train on nothing, before loading any weights
-# ----------------------------------------------------------------------------------------------------------------------
+# --- Preflight (`--check`, and every run): refuse a setup that would train on nothing, before loading weights ---------
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 # Where a backend's sandboxes run is said by neither openenv's capabilities nor Harbor's EnvironmentCapabilities.
 # Harbor backends whose sandboxes run off this host: they cannot reach a capture proxy advertised as 127.0.0.1.
@@ -1572,6 +1531,8 @@ def check_attention_kernel(pf: Preflight) -> None:
         "kernels-community/flash-attn3 (version 1)"
     props = torch.cuda.get_device_properties(0)
     gpu = f"{props.name} (compute capability {props.major}.{props.minor}), torch {torch.__version__}"
+    hopper = ("TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
+              "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
     try:
         from trl.experimental.async_grpo import packing
 
@@ -1591,9 +1552,7 @@ def check_attention_kernel(pf: Preflight) -> None:
                    "get_kernel('kernels-community/flash-attn3', version=1)\"; then train with HF_HOME=/shared/hf "
                    "HF_HUB_OFFLINE=1")
         else:
-            pf.add("attention kernel", FAIL, f"{repo} has no build for this GPU and torch: {gpu}: {message}",
-                   "TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
-                   "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
+            pf.add("attention kernel", FAIL, f"{repo} has no build for this GPU and torch: {gpu}: {message}", hopper)
         return
     try:  # one tiny causal call: a build that loads can still refuse this GPU when it runs
         q = torch.randn(8, 2, 64, device="cuda:0", dtype=torch.bfloat16)
@@ -1602,8 +1561,7 @@ def check_attention_kernel(pf: Preflight) -> None:
         torch.cuda.synchronize(0)
     except Exception as exc:  # noqa: BLE001
         pf.add("attention kernel", FAIL, f"{repo} loaded but cannot run on {gpu}: {type(exc).__name__}: {exc}"[:700],
-               "TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
-               "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
+               hopper)
         return
     pf.add("attention kernel", PASS, f"{repo} loaded and ran on {gpu}")
 
@@ -1778,7 +1736,7 @@ def check_reward(args: argparse.Namespace, pf: Preflight, split: str, task: dict
     if not args.probe_rollout:
         pf.add("reward key", SKIP, f"{key!r}: not probed (`--check --probe-rollout` runs one rollout to confirm it)")
         return
-    client = HarborRolloutClient(args.harbor_url, rollout_budget_s(args.agent_timeout))
+    client = HarborServerSession(args.harbor_url, rollout_budget_s(args.agent_timeout))
     t0 = time.monotonic()
     try:
         r = client.run_rollout(split=split, task_index=int(task["index"]), harness=args.harnesses[0],
@@ -1992,9 +1950,7 @@ def resolve_resume(args: argparse.Namespace) -> str | None:
     return args.resume
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Measure and curate: pass rates per task, and the tasks that can teach
-# ----------------------------------------------------------------------------------------------------------------------
+# --- Measure and curate: pass rates per task, and the tasks that can teach --------------------------------------------
 PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass_rate", "mean_reward", "mean_turns",
                      "mean_wall_s", "errors"]
 
@@ -2029,7 +1985,7 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
         factory.live_sessions.add(session)
         try:
             session.wait_for_completion()
-            if not session._client.server_session.closed:
+            if not session._client.closed:
                 factory.record_outcome(session)
             return unit, session
         finally:
@@ -2147,10 +2103,8 @@ def curate(args: argparse.Namespace, rows: list[dict[str, Any]], source: str) ->
     """Write the tasks whose pass rate lies inside --band as a --tasks file; print what the band does to the signal."""
     low, high = args.band
     rates = pass_rates_by_task(rows)
-    below = [t for t, p in rates.items() if p is not None and p < low]
-    inside = [t for t, p in rates.items() if p is not None and low <= p <= high]
-    above = [t for t, p in rates.items() if p is not None and p > high]
-    unmeasured = [t for t, p in rates.items() if p is None]
+    measured = {t: p for t, p in rates.items() if p is not None}
+    inside = [t for t, p in measured.items() if low <= p <= high]
     out = Path(args.curated_tasks or os.path.join(args.output_dir, "curated_tasks.txt"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -2159,12 +2113,12 @@ def curate(args: argparse.Namespace, rows: list[dict[str, Any]], source: str) ->
         f"--curate; use it as --tasks @{out}\n" + "".join(f"{t}\n" for t in inside))
     g = args.num_generations
     print_table(f"curate (band {low:g}-{high:g})", {
-        "below band (never or rarely solved)": len(below),
+        "below band (never or rarely solved)": sum(p < low for p in measured.values()),
         "inside band (kept)": len(inside),
-        "above band (always or nearly always solved)": len(above),
-        "unmeasured (every rollout unscorable)": len(unmeasured),
+        "above band (always or nearly always solved)": sum(p > high for p in measured.values()),
+        "unmeasured (every rollout unscorable)": len(rates) - len(measured),
         f"groups with reward variance, G={g}, all measured tasks":
-            f"{signal_fraction([p for p in rates.values() if p is not None], g):.1%}",
+            f"{signal_fraction(list(measured.values()), g):.1%}",
         f"groups with reward variance, G={g}, curated tasks": f"{signal_fraction([rates[t] for t in inside], g):.1%}",
         "written": f"{out} ({len(inside)} tasks)",
     })
@@ -2198,9 +2152,8 @@ def run_measure(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     return 0 if len(rows) == len(tasks) * len(args.harnesses) else 1
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Trainer
-# ----------------------------------------------------------------------------------------------------------------------
+# --- Trainer ----------------------------------------------------------------------------------------------------------
+@functools.cache
 def harbor_rollout_loop() -> type:
     """TRL's loop-owning harness loop (it runs in TRL's rollout child), scoring each group the way this script trains.
 
@@ -2210,8 +2163,6 @@ def harbor_rollout_loop() -> type:
     NO_SIGNAL, which the trainer reports as one line. Built on first use, so that only training imports trl; the
     module's `__getattr__` serves it to TRL's child, which unpickles it by name.
     """
-    if "HarborRolloutLoop" in globals():
-        return globals()["HarborRolloutLoop"]
     import asyncio
 
     from trl.experimental.async_grpo.openenv_harness import _HarnessRolloutLoop
@@ -2263,7 +2214,6 @@ def harbor_rollout_loop() -> type:
                 await asyncio.gather(*others, return_exceptions=True)
 
     HarborRolloutLoop.__qualname__ = "HarborRolloutLoop"
-    globals()["HarborRolloutLoop"] = HarborRolloutLoop
     return HarborRolloutLoop
 
 
@@ -2382,10 +2332,7 @@ class RolloutAccounting:
         trained, trained_rollouts, samples, tokens, informative = self._fold_trained()
 
         ok = [r for r in records if r["error"] is None]
-        errors: dict[str, int] = {}
-        for r in records:
-            if r["error"] is not None:
-                errors[r["error"]] = errors.get(r["error"], 0) + 1
+        errors = collections.Counter(r["error"] for r in records if r["error"] is not None)
         self.totals.update(produced=len(records), unscorable=len(records) - len(ok), stale_samples=stale_samples)
         metrics = {"harbor/rollouts": float(len(records)), "harbor/rollouts_per_min": len(records) / elapsed * 60,
                    "harbor/sandbox_s_per_step": sum(r["wall_s"] for r in records),
@@ -2861,9 +2808,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     return trainer
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Main
-# ----------------------------------------------------------------------------------------------------------------------
+# --- Main -------------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     for signum in STOP_SIGNALS:
         signal.signal(signum, STOP.handle)
@@ -2999,19 +2944,17 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
         cause = str(exc.__cause__ or exc)
         # The step's progress bar (stderr, no newline while it runs) still holds the line the error would join.
         print(file=sys.stderr)
-        if ROLLOUTS_FAILING in cause:
-            reason = cause.split(ROLLOUTS_FAILING, 1)[1].splitlines()[0].strip()
+        marker = next((m for m in (ROLLOUTS_FAILING, NO_SIGNAL) if m in cause), None)
+        if marker is None:
+            raise
+        reason = cause.split(marker, 1)[1].splitlines()[0].strip()
+        if marker == ROLLOUTS_FAILING:
             if server is not None and server.proc is not None and server.proc.poll() is not None:
                 reason += (f" (the Harbor server this script started exited with code {server.proc.returncode}; "
                            f"its log: {server.log_path})")
-            print(f"error: training stopped: {reason}. Fix the cause, then relaunch with --output-dir "
-                  f"{args.output_dir} --resume",
-                  file=sys.stderr)
-            return 1
-        if NO_SIGNAL in cause:
-            print(f"error: training stopped: {cause.split(NO_SIGNAL, 1)[1].splitlines()[0].strip()}", file=sys.stderr)
-            return 1
-        raise
+            reason += f". Fix the cause, then relaunch with --output-dir {args.output_dir} --resume"
+        print(f"error: training stopped: {reason}", file=sys.stderr)
+        return 1
     if trainer.stop_agreed and trainer.state.global_step < args.max_steps:
         return save_for_requeue(trainer, args)
     trainer.save_model(args.output_dir)

@@ -324,11 +324,11 @@ def factory_overhead(rig: Rig, spec: dict, reps: int = 20) -> dict:
         s.close()
 
     def client_cycle():
-        c = script.HarborRolloutClient(rig.harbor_url, 600)
+        c = script.HarborServerSession(rig.harbor_url, 600)
         c.close()
 
     parts = {
-        "client construct+close (HarborRolloutClient)": timed(client_cycle),
+        "client construct+close (HarborServerSession, not opened)": timed(client_cycle),
         "session create+close over HTTP (2 connects)": timed(session_cycle),
         "reply JSON decode (MCP envelope)": timed(lambda: json.loads(body)),
         "result parse (pydantic, HarborRolloutResult)": timed(lambda: HarborRolloutResult.model_validate_json(
