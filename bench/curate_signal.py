@@ -28,6 +28,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import RIG, SCRIPT, TASKS, Rig, log_history, script_env, train_args  # noqa: E402
 
+# The groups this benchmark reports on (the tests run groups of 2: conftest.GENERATIONS); the last flag wins.
+G4 = ["--num-generations", "4", "--max-inflight", "4"]
+
 
 def run_script(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=cwd, env=script_env(), text=True,
@@ -68,7 +71,7 @@ def main() -> int:
         for name, tasks in (("full", TASKS), ("curated", f"@{curated}")):
             out = work / name
             argv = train_args(rig, out, "--max-steps", str(args.steps), "--save-steps", str(args.steps),
-                              "--run-name", f"bench-{name}")
+                              "--run-name", f"bench-{name}", *G4)
             argv[argv.index("--tasks") + 1] = tasks
             proc = run_script(argv, cwd=work)
             if proc.returncode != 0:

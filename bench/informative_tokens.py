@@ -36,6 +36,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import RIG, SCRIPT, TASKS, Rig, default_filter, log_history, script_env, train_args  # noqa: E402
 
+# The groups this benchmark reports on (the tests run groups of 2: conftest.GENERATIONS); the last flag wins.
+G4 = ["--num-generations", "4", "--max-inflight", "4"]
+
 
 def measure(out: Path) -> dict:
     steps = log_history(out)
@@ -68,8 +71,9 @@ def main() -> int:
         t0 = time.monotonic()
         for name in ("off", "on"):  # side by side, so both meet the same machine load
             # A rollout is ~5 s on an idle rig; the long agent timeout keeps a loaded machine from failing them.
+            # train_args trains zero-variance groups: the filter "off"
             argv = train_args(rig, work / name, "--max-steps", str(args.steps), "--save-steps", str(args.steps),
-                              "--run-name", f"signal-{name}", "--agent-timeout", "600")  # zero-variance trained: off
+                              "--run-name", f"signal-{name}", "--agent-timeout", "600", *G4)
             log = (work / f"{name}.log").open("w")
             runs[name] = subprocess.Popen([sys.executable, str(SCRIPT), *(argv if name == "off" else
                                                                           default_filter(argv))],

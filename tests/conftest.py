@@ -273,9 +273,10 @@ def rollouts(stdout: str) -> list[tuple[int, str, float | None]]:
 TRAIN_ZERO_VARIANCE = ["--max-zero-variance-groups", "0"]
 
 
-# Generations per group in every training launch, one group in flight. A rollout's CPU is mostly its harness starting
-# (mini-swe-agent imports litellm: ~4.5 s), so a launch's time is its groups times this; under the exact-rate engine a
-# group of two of a coin task varies as surely as one of four.
+# Generations per group in every training launch, and as many rollouts in flight (TRL starts the next group's as slots
+# free). A rollout's CPU is mostly its harness starting (mini-swe-agent imports litellm: ~6 s), so a launch's time is
+# about its rollouts times this; under the exact-rate engine a group of two of a coin task varies as one of four
+# does, unless another rollout's first call of that task lands between its two.
 GENERATIONS = 2
 
 

@@ -176,7 +176,7 @@ def test_rollout_time_is_accounted_per_step(trained):
 
 
 def test_concurrent_rollouts_run_side_by_side(trained):
-    # One client per session: a group's Harbor trials (--max-inflight, one group) overlap in time on the server.
+    # One client per session: with --max-inflight 2, Harbor trials of this run overlap in time on the server.
     _, out, _, before = trained
     spans = []
     for result in (out.parent / "trials").glob("*/result.json"):

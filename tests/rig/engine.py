@@ -47,7 +47,7 @@ Without tools the reply is the text `ok`. Solves come in the exact proportion of
 call of a task this engine answers (counted from 0, across every run it serves) solves when floor((n + 1) p) >
 floor(n p). At p = 0.5 that alternates, so any 2m consecutive turn-0 calls of a task hold exactly m solves: an eval's
 k rollouts of a task (run alone on its engine) give an exact pass rate, and a GRPO group of 2 or 4 gets exactly half
-when its rollouts' first calls come together (the training launches run one group at a time).
+when no other first call of the task lands between its own.
 """
 
 from __future__ import annotations
