@@ -801,7 +801,7 @@ class HarborSession:
                 f.server_answered()
                 self.retries += lost
                 lost = False
-                self.result = self._client.run_rollout(
+                self.result = session.run_rollout(
                     split=self._split, task_index=self._task_index, harness=self.harness, sandbox=f.sandbox,
                     reward_key=f.reward_key, agent_timeout_sec=f.agent_timeout_s,
                     agent_step_limit=f.agent_step_limit, **policy,
@@ -1531,7 +1531,7 @@ def check_attention_kernel(pf: Preflight) -> None:
         "kernels-community/flash-attn3 (version 1)"
     props = torch.cuda.get_device_properties(0)
     gpu = f"{props.name} (compute capability {props.major}.{props.minor}), torch {torch.__version__}"
-    hopper = ("TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
+    gpu_fix = ("TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
               "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
     try:
         from trl.experimental.async_grpo import packing
@@ -1552,7 +1552,7 @@ def check_attention_kernel(pf: Preflight) -> None:
                    "get_kernel('kernels-community/flash-attn3', version=1)\"; then train with HF_HOME=/shared/hf "
                    "HF_HUB_OFFLINE=1")
         else:
-            pf.add("attention kernel", FAIL, f"{repo} has no build for this GPU and torch: {gpu}: {message}", hopper)
+            pf.add("attention kernel", FAIL, f"{repo} has no build for this GPU and torch: {gpu}: {message}", gpu_fix)
         return
     try:  # one tiny causal call: a build that loads can still refuse this GPU when it runs
         q = torch.randn(8, 2, 64, device="cuda:0", dtype=torch.bfloat16)
@@ -1561,7 +1561,7 @@ def check_attention_kernel(pf: Preflight) -> None:
         torch.cuda.synchronize(0)
     except Exception as exc:  # noqa: BLE001
         pf.add("attention kernel", FAIL, f"{repo} loaded but cannot run on {gpu}: {type(exc).__name__}: {exc}"[:700],
-               hopper)
+               gpu_fix)
         return
     pf.add("attention kernel", PASS, f"{repo} loaded and ran on {gpu}")
 
