@@ -84,6 +84,9 @@ if TYPE_CHECKING:
 # openenv 0.10 imports gradio (its web UI, ~2.5 s) with anything from `openenv.core`, here and again in TRL's rollout
 # child. Neither serves a UI, and openenv leaves the UI out when gradio cannot be imported.
 sys.modules.setdefault("gradio", None)
+# The script is written against trl==1.16.0's experimental AsyncGRPO (pinned above); TRL's two-line warning about that
+# API would otherwise open every refusal TrlParser makes and the rollout child's log.
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
@@ -353,17 +356,17 @@ def trl_config(args: argparse.Namespace):
     return AsyncGRPOConfig(**own | args.trl | trl_fields_decided(args) | keep)
 
 
-def trl_field_names() -> set[str] | None:
-    """AsyncGRPOConfig's field names, read from the installed sources without importing them: the import costs ~5 s
-    (torch, transformers), which a mistyped flag should not pay. None where the classes are not laid out as read here
-    (then TrlParser decides; tests/test_refusals.py holds this to dataclasses.fields)."""
+def trl_fields() -> dict[str, str] | None:
+    """AsyncGRPOConfig's fields and their annotations, read from the installed sources without importing them: the
+    import costs ~5 s (torch, transformers), which a mistyped flag should not pay. None where the classes are not laid
+    out as read here (then TrlParser decides; tests/test_refusals.py holds this to dataclasses.fields)."""
     import ast
     import importlib.util
 
     chain = [("trl", "experimental/async_grpo/async_grpo_config.py", "AsyncGRPOConfig", ["_BaseConfig"]),
              ("trl", "trainer/base_config.py", "_BaseConfig", ["TrainingArguments"]),
              ("transformers", "training_args.py", "TrainingArguments", [])]
-    names: set[str] = set()
+    fields: dict[str, str] = {}
     for package, path, cls, bases in chain:
         spec = importlib.util.find_spec(package)
         try:
@@ -373,14 +376,32 @@ def trl_field_names() -> set[str] | None:
         node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
         if node is None or [ast.unparse(b) for b in node.bases] != bases:
             return None
-        names |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-    return names
+        for n in node.body:  # a subclass's annotation wins
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                fields.setdefault(n.target.id, ast.unparse(n.annotation))
+    return fields
+
+
+BOOLEANS = ("yes", "true", "t", "y", "1", "no", "false", "f", "n", "0")  # transformers' string_to_bool, any case
+
+
+def invalid_field_value(annotation: str, value: str) -> str | None:
+    """Why HfArgumentParser would refuse `value` for a field of this annotation, where the value alone tells (a
+    number, a boolean): checked without TRL's imports. None: it may take it."""
+    kind = annotation.removesuffix(" | None")
+    if kind == "bool":
+        return None if value.lower() in BOOLEANS else f"invalid bool value: '{value}' (one of {'/'.join(BOOLEANS)})"
+    try:
+        {"int": int, "float": float}.get(kind, str)(value)
+    except ValueError:
+        return f"invalid {kind} value: '{value}'"
+    return None
 
 
 def refuse_unknown_flags(unknown: list[str], own: set[str]) -> None:
     """Refuse at once a flag that is neither the script's (`own`) nor an AsyncGRPOConfig field (HfArgumentParser also
-    takes --no_<field> for booleans); anything else goes to TrlParser."""
-    fields = trl_field_names()
+    takes --no_<field> for booleans), or a field's value of the wrong type; anything else goes to TrlParser."""
+    fields = trl_fields()
     if fields is None:
         return
     flags: list[tuple[str, list[str]]] = []  # each unknown flag's name, with what was typed: it and its values
@@ -391,10 +412,14 @@ def refuse_unknown_flags(unknown: list[str], own: set[str]) -> None:
             flags[-1][1].append(arg)
     wrong = [(name, typed) for name, typed in flags if name not in fields and name.removeprefix("no_") not in fields]
     if wrong:
-        close = difflib.get_close_matches(wrong[0][0], fields | own, n=1)
+        close = difflib.get_close_matches(wrong[0][0], set(fields) | own, n=1)
         hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else ""
         raise UsageError(f"unrecognized arguments: {' '.join(a for _, typed in wrong for a in typed)}{hint} "
                          "(--help-all lists every flag)")
+    for name, typed in flags:
+        values = typed[0].split("=", 1)[1:] + typed[1:]
+        if name in fields and len(values) == 1 and (why := invalid_field_value(fields[name], values[0])):
+            raise UsageError(f"{typed[0].split('=', 1)[0]}: {why}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -2783,7 +2808,10 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 logs.update(accounting.step(self.state.global_step, stale))
             super().log(logs, start_time)
 
-    config = trl_config(args)
+    try:  # TRL's checks of field values (a scheduler's name, a combination): after the preflight, before any weights
+        config = trl_config(args)
+    except ValueError as exc:
+        raise UsageError(f"AsyncGRPOConfig refused the settings: {' '.join(str(exc).split())}") from None
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=config.trust_remote_code)
     dataset = Dataset.from_list(task_rows(tasks, split, args.harnesses))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -2849,6 +2877,9 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group()
             return code
         return run_measure(args, plan) if args.measure else train(args, plan, server)
+    except UsageError as exc:  # a refusal only the trainer's own set-up can make (build_trainer)
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"\n[harbor] interrupted; checkpoints so far are in {args.output_dir}", file=sys.stderr)
         return 130

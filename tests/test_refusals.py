@@ -4,6 +4,7 @@ the command a user types."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import subprocess
@@ -40,19 +41,43 @@ def test_a_refusal_is_one_line_and_exit_code_2_from_the_command_line(tmp_path):
     assert_refused(run_script(["--num-generations", "1"], cwd=tmp_path), "--num-generations must be >= 2")
 
 
-def test_a_mistyped_flag_is_refused_with_the_closest_name_before_trl_or_torch_load(tmp_path):
-    proc = run_script(["--lerning-rate", "1e-6"], cwd=tmp_path, PYTHONPROFILEIMPORTTIME="1")
+@pytest.mark.parametrize("args, needle", [
+    (["--lerning-rate", "1e-6"], "unrecognized arguments: --lerning-rate 1e-6; did you mean --learning-rate?"),
+    (["--epsilon-high", "x"], "--epsilon-high: invalid float value: 'x'"),
+    (["--logging-nan-inf-filter=maybe"], "--logging-nan-inf-filter: invalid bool value: 'maybe'"),
+    (["--seed", "0.5"], "--seed: invalid int value: '0.5'"),
+])
+def test_a_mistyped_flag_or_value_is_refused_before_trl_or_torch_load(tmp_path, args, needle):
+    proc = run_script(args, cwd=tmp_path, PYTHONPROFILEIMPORTTIME="1")
     imports = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]
     assert_refused(subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout,
-                                               "\n".join(set(proc.stderr.splitlines()) - set(imports))),
-                   "unrecognized arguments: --lerning-rate 1e-6; did you mean --learning-rate?")
+                                               "\n".join(set(proc.stderr.splitlines()) - set(imports))), needle)
     assert imports and not [line for line in imports if re.search(r"\| (torch|transformers|trl)$", line)]
 
 
-def test_the_fast_refusal_knows_every_trl_field():
-    from trl.experimental.async_grpo import AsyncGRPOConfig
+def test_the_fast_refusal_knows_every_trl_field_and_the_values_trl_would_refuse():
+    import typing
 
-    assert load_script().trl_field_names() == {f.name for f in dataclasses.fields(AsyncGRPOConfig) if f.init}
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+    from transformers.hf_argparser import string_to_bool
+
+    fields = load_script().trl_fields()
+    hints = typing.get_type_hints(AsyncGRPOConfig)
+    assert set(fields) == {f.name for f in dataclasses.fields(AsyncGRPOConfig) if f.init}
+    # Read from the source text, each annotation is the type TrlParser converts with; the values it refuses are ours.
+    convert = {int: int, int | None: int, float: float, float | None: float, bool: string_to_bool,
+               bool | None: string_to_bool}
+    checked = {name: convert[hints[name]] for name in fields if hints[name] in convert}
+    assert len(checked) > 90, checked
+    invalid = load_script().invalid_field_value
+    for name, to_value in checked.items():
+        for value in ("3", "-0.5", "1e-3", "nan", "True", "no", "x", ""):
+            try:
+                to_value(value)
+                refused_by_trl = False
+            except (ValueError, argparse.ArgumentTypeError):
+                refused_by_trl = True
+            assert (invalid(fields[name], value) is not None) == refused_by_trl, (name, value)
 
 
 def test_unreachable_vllm_names_the_url_and_the_command(tmp_path):
@@ -110,6 +135,20 @@ def test_engine_without_token_ids_is_refused(eval_tier_rig, tmp_path):
     # before returning reward 0 with no trainable turn.
     proc = run_main([*eval_tier_rig.base_args(), "--tasks", "coin"], cwd=tmp_path)
     assert_refused(proc, "--return-tokens-as-token-ids", "--logprobs-mode processed_logprobs")
+
+
+def test_a_value_only_trls_config_refuses_is_one_line_before_any_weights_load(rig, tmp_path):
+    # AsyncGRPOConfig takes the scheduler's name as a plain string; only its construction knows the names. It is built
+    # after the preflight (on a multi-GPU launch its construction sets up the process group), so that is where it is
+    # refused.
+    proc = run_script([*rig.base_args(), "--tasks", "coin", "--lr-scheduler-type", "cosin", "--output-dir", "out"],
+                      cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert errors == [proc.stderr.strip().splitlines()[-1]], proc.stderr[-3000:]
+    assert errors[0].startswith("error: AsyncGRPOConfig refused the settings: cosin is not a valid SchedulerType")
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "out" / "rollouts.jsonl").exists()
 
 
 @pytest.mark.parametrize("args, needles", [
