@@ -2868,24 +2868,24 @@ def main(argv: list[str] | None = None) -> int:
         if share is not None:
             code, plan, args.run_name, args.output_dir, args.harbor_url = share(
                 (code, plan, args.run_name, args.output_dir, args.harbor_url))
-        if code is not None:
-            if share is not None:
-                # A group left to the interpreter's exit can abort a rank that ends here (seen after --check: SIGABRT,
-                # "terminate called without an active exception").
-                import torch.distributed as dist
-
-                dist.destroy_process_group()
-            return code
-        return run_measure(args, plan) if args.measure else train(args, plan, server)
-    except UsageError as exc:  # a refusal only the trainer's own set-up can make (build_trainer)
+        if code is None:
+            return run_measure(args, plan) if args.measure else train(args, plan, server)
+    except UsageError as exc:  # a value only AsyncGRPOConfig judges (build_trainer): the same on every rank
         print(f"error: {redact(str(exc))}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print(f"\n[harbor] interrupted; checkpoints so far are in {args.output_dir}", file=sys.stderr)
         return 130
     finally:
         if server is not None:
             server.stop()
+    if share is not None:
+        # A group left to the interpreter's exit can abort a rank that ends here (seen after --check: SIGABRT,
+        # "terminate called without an active exception").
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return code
 
 
 def launch_rank() -> int:

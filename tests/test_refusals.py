@@ -8,9 +8,10 @@ import argparse
 import dataclasses
 import re
 import subprocess
+import sys
 
 import pytest
-from conftest import free_port, load_script, run_main, run_script
+from conftest import SCRIPT, free_port, load_script, run_main, run_script, script_env
 
 
 def assert_refused(proc, *needles: str) -> None:
@@ -137,17 +138,23 @@ def test_engine_without_token_ids_is_refused(eval_tier_rig, tmp_path):
     assert_refused(proc, "--return-tokens-as-token-ids", "--logprobs-mode processed_logprobs")
 
 
-def test_a_value_only_trls_config_refuses_is_one_line_before_any_weights_load(rig, tmp_path):
-    # AsyncGRPOConfig takes the scheduler's name as a plain string; only its construction knows the names. It is built
-    # after the preflight (on a multi-GPU launch its construction sets up the process group), so that is where it is
-    # refused.
-    proc = run_script([*rig.base_args(), "--tasks", "coin", "--lr-scheduler-type", "cosin", "--output-dir", "out"],
-                      cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert errors == [proc.stderr.strip().splitlines()[-1]], proc.stderr[-3000:]
-    assert errors[0].startswith("error: AsyncGRPOConfig refused the settings: cosin is not a valid SchedulerType")
-    assert "Traceback" not in proc.stdout + proc.stderr
+def test_a_value_only_trls_config_refuses_is_one_line_on_every_rank_before_any_weights_load(rig, tmp_path):
+    # AsyncGRPOConfig takes the scheduler's name as a plain string; only its construction knows the names, and it is
+    # built after the preflight (on several GPUs its construction sets up the process group). Two ranks, as
+    # `accelerate launch` starts them: each must leave its process group behind cleanly, not abort at exit.
+    args = [*rig.base_args(), "--tasks", "coin", "--lr-scheduler-type", "cosin", "--output-dir", "out"]
+    dist = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=script_env(**dist, RANK=str(rank), LOCAL_RANK=str(rank)))
+             for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=600) for proc in ranks]
+    print(outputs)
+    assert [proc.returncode for proc in ranks] == [2, 2]
+    for stdout, stderr in outputs:
+        errors = [line for line in stderr.splitlines() if line.startswith("error")]
+        assert errors == [stderr.strip().splitlines()[-1]], stderr[-3000:]
+        assert errors[0].startswith("error: AsyncGRPOConfig refused the settings: cosin is not a valid SchedulerType")
+        assert "Traceback" not in stdout + stderr and "terminate called" not in stderr
     assert not (tmp_path / "out" / "rollouts.jsonl").exists()
 
 
