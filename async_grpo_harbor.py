@@ -398,7 +398,7 @@ def invalid_field_value(annotation: str, value: str) -> str | None:
     return None
 
 
-def refuse_unknown_flags(unknown: list[str], own: set[str]) -> None:
+def refuse_unknown_flags(argv: list[str], unknown: list[str], own: set[str]) -> None:
     """Refuse at once a flag that is neither the script's (`own`) nor an AsyncGRPOConfig field (HfArgumentParser also
     takes --no_<field> for booleans), or a field's value of the wrong type; anything else goes to TrlParser."""
     fields = trl_fields()
@@ -416,10 +416,12 @@ def refuse_unknown_flags(unknown: list[str], own: set[str]) -> None:
         hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else ""
         raise UsageError(f"unrecognized arguments: {' '.join(a for _, typed in wrong for a in typed)}{hint} "
                          "(--help-all lists every flag)")
-    for name, typed in flags:
-        values = typed[0].split("=", 1)[1:] + typed[1:]
-        if name in fields and len(values) == 1 and (why := invalid_field_value(fields[name], values[0])):
-            raise UsageError(f"{typed[0].split('=', 1)[0]}: {why}")
+    for arg, following in zip(argv, [*argv[1:], "--"]):  # argv, not `unknown`: the script's own flags stay in line
+        flag, eq, value = arg.partition("=")
+        name, value = flag[2:].replace("-", "_"), value if eq else following
+        if arg.startswith("--") and name in set(fields) - own and not value.startswith("--") and \
+                (why := invalid_field_value(fields[name], value)):
+            raise UsageError(f"{flag}: {why}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -427,7 +429,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not (args.config or args.help_all):
-        refuse_unknown_flags(unknown, {action.dest for action in parser._actions})
+        refuse_unknown_flags(argv, unknown, {action.dest for action in parser._actions})
     args = parse_trl_args(argv, args.help_all) if unknown or args.config or args.help_all else args
     args.trl = getattr(args, "trl", {})
     positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
@@ -2810,8 +2812,10 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
 
     try:  # TRL's checks of field values (a scheduler's name, a combination): after the preflight, before any weights
         config = trl_config(args)
-    except ValueError as exc:
-        raise UsageError(f"AsyncGRPOConfig refused the settings: {' '.join(str(exc).split())}") from None
+    except ValueError as exc:  # or of the machine (accelerate's device set-up runs in it): the message says which
+        given = ", ".join(f"--{name.replace('_', '-')}" for name in args.trl) or "none"
+        raise UsageError(f"AsyncGRPOConfig could not be built (TRL flags given: {given}): "
+                         f"{' '.join(str(exc).split())}") from None
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=config.trust_remote_code)
     dataset = Dataset.from_list(task_rows(tasks, split, args.harnesses))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)

@@ -153,7 +153,8 @@ def test_a_value_only_trls_config_refuses_is_one_line_on_every_rank_before_any_w
     for stdout, stderr in outputs:
         errors = [line for line in stderr.splitlines() if line.startswith("error")]
         assert errors == [stderr.strip().splitlines()[-1]], stderr[-3000:]
-        assert errors[0].startswith("error: AsyncGRPOConfig refused the settings: cosin is not a valid SchedulerType")
+        assert errors[0].startswith("error: AsyncGRPOConfig could not be built (TRL flags given: --lr-scheduler-type): "
+                                    "cosin is not a valid SchedulerType")
         assert "Traceback" not in stdout + stderr and "terminate called" not in stderr
     assert not (tmp_path / "out" / "rollouts.jsonl").exists()
 
