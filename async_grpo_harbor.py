@@ -382,15 +382,36 @@ def trl_fields() -> dict[str, str] | None:
     return fields
 
 
+def transformers_choices() -> dict[str, list[str]]:
+    """The values of transformers' string enums that fields are annotated with (`optim: OptimizerNames | str`), read
+    from its sources as trl_fields reads the fields; HfArgumentParser offers them as the field's choices."""
+    import ast
+    import importlib.util
+
+    choices: dict[str, list[str]] = {}
+    for path in ("training_args.py", "trainer_utils.py"):
+        try:
+            tree = ast.parse((Path(importlib.util.find_spec("transformers").origin).parent / path).read_text())
+        except (AttributeError, TypeError, OSError, SyntaxError):
+            return {}
+        choices |= {node.name: [n.value.value for n in node.body if isinstance(n, ast.Assign)
+                                and isinstance(n.value, ast.Constant)]
+                    for node in tree.body if isinstance(node, ast.ClassDef)
+                    and [ast.unparse(b) for b in node.bases] == ["ExplicitEnum"]}
+    return choices
+
+
 BOOLEANS = ("yes", "true", "t", "y", "1", "no", "false", "f", "n", "0")  # transformers' string_to_bool, any case
 
 
-def invalid_field_value(annotation: str, value: str) -> str | None:
+def invalid_field_value(annotation: str, value: str, choices: dict[str, list[str]]) -> str | None:
     """Why HfArgumentParser would refuse `value` for a field of this annotation, where the value alone tells (a
-    number, a boolean): checked without TRL's imports. None: it may take it."""
+    number, a boolean, a name outside an enum's): checked without TRL's imports. None: it may take it."""
     kind = annotation.removesuffix(" | None")
     if kind == "bool":
         return None if value.lower() in BOOLEANS else f"invalid bool value: '{value}' (one of {'/'.join(BOOLEANS)})"
+    if kind.endswith(" | str") and (allowed := choices.get(kind.removesuffix(" | str"))):  # the parser drops the str
+        return None if value in allowed else f"invalid choice: '{value}' (choose from {', '.join(allowed)})"
     try:
         {"int": int, "float": float}.get(kind, str)(value)
     except ValueError:
@@ -416,11 +437,12 @@ def refuse_unknown_flags(argv: list[str], unknown: list[str], own: set[str]) -> 
         hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else ""
         raise UsageError(f"unrecognized arguments: {' '.join(a for _, typed in wrong for a in typed)}{hint} "
                          "(--help-all lists every flag)")
+    choices = transformers_choices()
     for arg, following in zip(argv, [*argv[1:], "--"]):  # argv, not `unknown`: the script's own flags stay in line
         flag, eq, value = arg.partition("=")
         name, value = flag[2:].replace("-", "_"), value if eq else following
         if arg.startswith("--") and name in set(fields) - own and not value.startswith("--") and \
-                (why := invalid_field_value(fields[name], value)):
+                (why := invalid_field_value(fields[name], value, choices)):
             raise UsageError(f"{flag}: {why}")
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 from conftest import SCRIPT, free_port, load_script, run_main, run_script, script_env
@@ -47,6 +48,7 @@ def test_a_refusal_is_one_line_and_exit_code_2_from_the_command_line(tmp_path):
     (["--epsilon-high", "x"], "--epsilon-high: invalid float value: 'x'"),
     (["--logging-nan-inf-filter=maybe"], "--logging-nan-inf-filter: invalid bool value: 'maybe'"),
     (["--seed", "0.5"], "--seed: invalid int value: '0.5'"),
+    (["--optim", "adamw_torchh"], "--optim: invalid choice: 'adamw_torchh' (choose from adamw_torch, "),
 ])
 def test_a_mistyped_flag_or_value_is_refused_before_trl_or_torch_load(tmp_path, args, needle):
     proc = run_script(args, cwd=tmp_path, PYTHONPROFILEIMPORTTIME="1")
@@ -57,28 +59,37 @@ def test_a_mistyped_flag_or_value_is_refused_before_trl_or_torch_load(tmp_path, 
 
 
 def test_the_fast_refusal_knows_every_trl_field_and_the_values_trl_would_refuse():
+    import enum
     import typing
 
     from trl.experimental.async_grpo import AsyncGRPOConfig
     from transformers.hf_argparser import string_to_bool
 
-    fields = load_script().trl_fields()
+    script = load_script()
+    fields, choices = script.trl_fields(), script.transformers_choices()
     hints = typing.get_type_hints(AsyncGRPOConfig)
     assert set(fields) == {f.name for f in dataclasses.fields(AsyncGRPOConfig) if f.init}
     # Read from the source text, each annotation is the type TrlParser converts with; the values it refuses are ours.
     convert = {int: int, int | None: int, float: float, float | None: float, bool: string_to_bool,
                bool | None: string_to_bool}
     checked = {name: convert[hints[name]] for name in fields if hints[name] in convert}
+    # `X | str` with X an enum: HfArgumentParser drops the str and offers X's values as choices.
+    enums = {name: [e.value for e in hint.__args__[0]] for name, hint in hints.items()
+             if typing.get_origin(hint) in (typing.Union, types.UnionType) and hint.__args__[1:] == (str,)
+             and issubclass(hint.__args__[0], enum.Enum)}
+    assert {"optim", "logging_strategy", "hub_strategy"} <= set(enums), enums
+    checked |= {name: lambda v, allowed=allowed: v if v in allowed else int("not a choice")
+                for name, allowed in enums.items()}
     assert len(checked) > 90, checked
-    invalid = load_script().invalid_field_value
     for name, to_value in checked.items():
-        for value in ("3", "-0.5", "1e-3", "nan", "True", "no", "x", ""):
+        for value in ("3", "-0.5", "1e-3", "nan", "True", "no", "x", "", "steps", "adamw_torch", "every_save"):
             try:
                 to_value(value)
                 refused_by_trl = False
             except (ValueError, argparse.ArgumentTypeError):
                 refused_by_trl = True
-            assert (invalid(fields[name], value) is not None) == refused_by_trl, (name, value)
+            assert (script.invalid_field_value(fields[name], value, choices) is not None) == refused_by_trl, \
+                (name, value)
 
 
 def test_unreachable_vllm_names_the_url_and_the_command(tmp_path):
