@@ -356,24 +356,31 @@ def trl_config(args: argparse.Namespace):
     return AsyncGRPOConfig(**own | args.trl | trl_fields_decided(args) | keep)
 
 
+@functools.cache
+def installed_source(package: str, path: str) -> Any:
+    """The syntax tree of a file of an installed package, read without importing the package; None if unreadable."""
+    import ast
+    import importlib.util
+
+    try:
+        return ast.parse((Path(importlib.util.find_spec(package).submodule_search_locations[0]) / path).read_text())
+    except (AttributeError, TypeError, OSError, SyntaxError):
+        return None
+
+
 def trl_fields() -> dict[str, str] | None:
     """AsyncGRPOConfig's fields and their annotations, read from the installed sources without importing them: the
     import costs ~5 s (torch, transformers), which a mistyped flag should not pay. None where the classes are not laid
     out as read here (then TrlParser decides; tests/test_refusals.py holds this to dataclasses.fields)."""
     import ast
-    import importlib.util
 
     chain = [("trl", "experimental/async_grpo/async_grpo_config.py", "AsyncGRPOConfig", ["_BaseConfig"]),
              ("trl", "trainer/base_config.py", "_BaseConfig", ["TrainingArguments"]),
              ("transformers", "training_args.py", "TrainingArguments", [])]
     fields: dict[str, str] = {}
     for package, path, cls, bases in chain:
-        spec = importlib.util.find_spec(package)
-        try:
-            tree = ast.parse((Path(spec.submodule_search_locations[0]) / path).read_text())
-        except (AttributeError, TypeError, OSError, SyntaxError):
-            return None
-        node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+        tree = installed_source(package, path)
+        node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None) if tree else None
         if node is None or [ast.unparse(b) for b in node.bases] != bases:
             return None
         for n in node.body:  # a subclass's annotation wins
@@ -386,13 +393,11 @@ def transformers_choices() -> dict[str, list[str]]:
     """The values of transformers' string enums that fields are annotated with (`optim: OptimizerNames | str`), read
     from its sources as trl_fields reads the fields; HfArgumentParser offers them as the field's choices."""
     import ast
-    import importlib.util
 
     choices: dict[str, list[str]] = {}
     for path in ("training_args.py", "trainer_utils.py"):
-        try:
-            tree = ast.parse((Path(importlib.util.find_spec("transformers").origin).parent / path).read_text())
-        except (AttributeError, TypeError, OSError, SyntaxError):
+        tree = installed_source("transformers", path)
+        if tree is None:
             return {}
         choices |= {node.name: [n.value.value for n in node.body if isinstance(n, ast.Assign)
                                 and isinstance(n.value, ast.Constant)]
@@ -437,11 +442,11 @@ def refuse_unknown_flags(argv: list[str], unknown: list[str], own: set[str]) -> 
         hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else ""
         raise UsageError(f"unrecognized arguments: {' '.join(a for _, typed in wrong for a in typed)}{hint} "
                          "(--help-all lists every flag)")
-    choices = transformers_choices()
+    choices, theirs = transformers_choices(), set(fields) - own
     for arg, following in zip(argv, [*argv[1:], "--"]):  # argv, not `unknown`: the script's own flags stay in line
         flag, eq, value = arg.partition("=")
         name, value = flag[2:].replace("-", "_"), value if eq else following
-        if arg.startswith("--") and name in set(fields) - own and not value.startswith("--") and \
+        if arg.startswith("--") and name in theirs and not value.startswith("--") and \
                 (why := invalid_field_value(fields[name], value, choices)):
             raise UsageError(f"{flag}: {why}")
 
