@@ -6,6 +6,7 @@ import ast
 import importlib.metadata
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -75,3 +76,66 @@ def test_help_documents_every_flag():
                  "--learning-rate", "--max-steps", "--save-steps", "--output-dir", "--run-name", "--project",
                  "--resume", "--dtype", "--save-total-limit", "--harbor-expose"):
         assert flag in flags, flag
+
+
+def shell_commands(text: str) -> list[str]:
+    """Each command line of `text`, its backslash continuations joined and its whitespace collapsed; comments out."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [" ".join(line.split()) for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def readme_commands() -> list[str]:
+    readme = (SCRIPT.parent / "README.md").read_text()
+    return [c for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for c in shell_commands(block)]
+
+
+def vllm_serve(command: str) -> tuple[set[str], list[str]]:
+    """The environment a `vllm serve` command sets and what follows `serve` (model and flags), however vLLM is run."""
+    words = shlex.split(command)
+    env = {w for w in words[:words.index("vllm")] if re.fullmatch(r"[A-Z_]+=\S*", w)}
+    return env, words[words.index("serve") + 1:]
+
+
+def help_default(flag: str) -> str:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=300)
+    entry = next(e for e in re.split(r"\n(?=  -)", proc.stdout) if re.match(rf"  {flag}\b", e))
+    return re.search(r"\(default: ([^)]*)\)", " ".join(entry.split()))[1]
+
+
+def test_readme_runs_the_commands_of_the_scripts_docstring():
+    """A user copies from either; both must say the same. The docstring runs vLLM from the environment, the README
+    pins it with uvx: the environment it sets, the model and every flag must match."""
+    docstring = shell_commands(ast.get_docstring(ast.parse(SCRIPT.read_text())))
+    readme = readme_commands()
+    doc_vllm = [vllm_serve(c) for c in docstring if " vllm serve " in f" {c} "]
+    readme_vllm = [vllm_serve(c) for c in readme if " vllm serve " in f" {c} "]
+    assert doc_vllm and readme_vllm
+    assert all(v == doc_vllm[0] for v in doc_vllm + readme_vllm), (doc_vllm, readme_vllm)
+    runs = [c for c in docstring if "uv run async_grpo_harbor.py" in c]
+    assert len(runs) >= 4, runs
+    assert [c for c in runs if c not in readme] == []
+
+
+def test_readme_vllm_command_is_the_one_the_gpu_test_serves():
+    """tests/gpu proves the README's vLLM flags on real GPUs; it must serve exactly those."""
+    tree = ast.parse((SCRIPT.parent / "tests" / "gpu" / "test_two_gpus.py").read_text())
+    gpu_flags = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                     and getattr(n.targets[0], "id", "") == "README_FLAGS")
+    _, served = next(vllm_serve(c) for c in readme_commands() if " vllm serve " in f" {c} ")
+    flags = served[1:]  # the model first
+    assert all(f in flags for f in gpu_flags), set(gpu_flags) - set(flags)
+    assert {f for f in flags if f.startswith("--")} - {f for f in gpu_flags if f.startswith("--")} <= \
+        {"--port", "--max-model-len"}
+
+
+def test_readme_harbor_server_gets_the_settings_the_script_gives_its_own():
+    """A server the user runs must cap each agent turn at --max-completion-length (openenv's default is 8,192, which
+    the trainer's memory plan does not expect and the server cannot report) and hold twice --max-inflight
+    sessions, as EmbeddedHarborServer starts it."""
+    serve = [c for c in readme_commands() if "openenv harbor serve" in c]
+    assert serve
+    for command in serve:
+        words = shlex.split(command)
+        assert words[words.index("--max-output-tokens") + 1] == help_default("--max-completion-length")
+        envs = dict(w.split("=", 1) for w in words[:words.index("openenv")] if "=" in w)
+        assert int(envs["MAX_CONCURRENT_ENVS"]) >= 2 * int(help_default("--max-inflight"))
