@@ -45,6 +45,7 @@ Run it (see README.md for the full walk-through):
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import dataclasses
 import difflib
@@ -77,7 +78,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from openenv.core.harness import TrainingTrace, VerifyResult
     from openenv.harbor.models import HarborRolloutResult
 
 # The script is written against trl==1.16.0's experimental AsyncGRPO (pinned above); TRL's two-line warning about that
@@ -89,9 +89,10 @@ warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecate
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from accelerate import PartialState  # noqa: E402
+from openenv.core.harness import ResourceSession, ResourceSessionFactory, TrainingTrace, VerifyResult  # noqa: E402
 from trl import TrlParser  # noqa: E402
 from trl.experimental.async_grpo import AsyncGRPOConfig  # noqa: E402
-from trl.experimental.async_grpo.openenv_harness import _HarnessRolloutLoop  # noqa: E402
+from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop  # noqa: E402
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
@@ -103,8 +104,6 @@ NO_SIGNAL = "harbor groups carry no signal:"
 REQUEUE_EXIT_CODE = 75
 # What SLURM, scancel and `kill` send to stop a run: the trainer checkpoints on them (StopRequest).
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
-# Blocked in the forkserver of TRL's rollout child, so that only the trainer's exit ends it (rollout_child_context).
-FORKSERVER_BLOCKED = STOP_SIGNALS | {signal.SIGINT}
 
 
 # --- Arguments --------------------------------------------------------------------------------------------------------
@@ -687,9 +686,7 @@ class HarborServerSession:
         return result
 
 
-# OpenEnv's `ResourceSession` and `ResourceSessionFactory` by shape, not by inheritance: they live in `openenv.core`,
-# seconds to import, and TRL checks only the `TrainableSession` protocol (tests/test_sessions.py holds us to all three).
-class HarborSession:
+class HarborSession(ResourceSession):
     """One rollout: the harness runs on the server, we only wait for its result.
 
     Satisfies OpenEnv's `TrainableSession`: `wait_for_completion()` runs the rollout, `fetch_training_trace()` hands
@@ -777,7 +774,6 @@ class HarborSession:
         return 0 if self.failure is None else 1
 
     def fetch_training_trace(self) -> TrainingTrace:
-        from openenv.core.harness import TrainingTrace
         from openenv.harbor.contract import to_training_trace
 
         if self._client.closed:
@@ -797,8 +793,6 @@ class HarborSession:
         return TrainingTrace(turns=[]) if self.failure is not None else trace
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
-        from openenv.core.harness import VerifyResult
-
         if self.failure is not None or self.result is None:
             return VerifyResult(env_reward=None, done=True,
                                 metrics={"failure": self.failure.message if self.failure else None})
@@ -811,7 +805,7 @@ class HarborSession:
         self._client.close()
 
 
-class HarborSessionFactory:
+class HarborSessionFactory(ResourceSessionFactory):
     """Creates one `HarborSession` per rollout. Built inside TRL's rollout child as `factory(sampling=...)`.
 
     `sampling` is the trainer's own policy (temperature), forwarded to every `run_rollout` so the proxy samples at
@@ -849,10 +843,8 @@ class HarborSessionFactory:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the trainer's stop request; it stops us when it is ready
         signal.signal(signal.SIGTERM, lambda signum, frame: self._abandon(128 + signum))
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORKSERVER_BLOCKED)  # see rollout_child_context
         # The trainer holds the other end of this pipe, which reads as closed once it is gone however it died (SIGKILL,
-        # OOM), already closed included. Not PR_SET_PDEATHSIG: this child's OS parent is the forkserver, which
-        # outlives the trainer by its interpreter's shutdown (~2 s measured, rollouts still starting meanwhile).
+        # OOM), already closed included.
         import multiprocessing.connection
 
         def leave_with_trainer(trainer=multiprocessing.parent_process().sentinel) -> None:
@@ -1773,22 +1765,10 @@ def numbered_checkpoints(output_dir: str) -> list[Path]:
     return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
 
 
-# What a resume loads, by how the run was sharded: the optimizer file names the layout (transformers' _save_checkpoint,
-# accelerate's save_fsdp_model / save_fsdp_optimizer), and each layout resumes the weights from its own file.
-CHECKPOINT_LAYOUTS = {
-    "optimizer.pt": "model.safetensors",  # one process, or DDP
-    "optimizer.bin": "pytorch_model_fsdp.bin",  # FSDP, FULL_STATE_DICT (slurm/fsdp2.yaml)
-    "optimizer_0": "pytorch_model_fsdp_0",  # FSDP, SHARDED_STATE_DICT: torch.distributed.checkpoint folders
-}
-
-
 def checkpoint_problem(path: Path) -> str | None:
-    """Why a resume from `path` would fail or silently lose state, or None.
-
-    Structural checks only (every file a resume loads is present and complete): reading a multi-GB optimizer state
-    to the end would not fit in a preemption grace period. transformers resumes with a fresh optimizer, without a
-    word, when it finds no optimizer state or no scheduler.pt, so both are required.
-    """
+    """Why a resume from `path` would fail, or None. Only the state files this script reads are checked: every file of
+    a checkpoint-N is complete once it exists (the staged rename, publish_checkpoint), so what remains is a path that
+    is no checkpoint of this script, or state files damaged since."""
     try:
         int(json.loads((path / "trainer_state.json").read_text())["global_step"])
         rollout = json.loads((path / "rollout_state.json").read_text())
@@ -1796,60 +1776,6 @@ def checkpoint_problem(path: Path) -> str | None:
         [int(visit) for visit in rollout.get("pending", [])]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
-    layouts = [name for name in CHECKPOINT_LAYOUTS if (path / name).exists()]
-    if not layouts:
-        return f"no optimizer state ({', '.join(CHECKPOINT_LAYOUTS)})"
-    parts = [*layouts, *(CHECKPOINT_LAYOUTS[name] for name in layouts), "scheduler.pt",
-             *(f.name for f in path.glob("rng_state*.pth"))]
-    if "model.safetensors" not in parts and ((path / "model.safetensors").exists()
-                                             or (path / "model.safetensors.index.json").exists()):
-        parts.append("model.safetensors")  # FSDP's FULL_STATE_DICT also writes it: what inference loads
-    for name in parts:
-        if problem := artifact_problem(path, name):
-            return problem
-    return None
-
-
-def artifact_problem(checkpoint: Path, name: str) -> str | None:
-    """Why one saved artifact is missing or cut short, by its format, or None."""
-    import zipfile
-
-    from safetensors import SafetensorError, safe_open
-
-    path = checkpoint / name
-    if name == "model.safetensors":
-        index = checkpoint / "model.safetensors.index.json"
-        try:
-            files = ({checkpoint / f for f in json.loads(index.read_text())["weight_map"].values()}
-                     if index.is_file() else {path})
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
-            return f"{index.name}: {type(exc).__name__}: {exc}"
-        for file in sorted(files):
-            try:
-                with safe_open(str(file), "pt"):
-                    pass
-            except (OSError, SafetensorError) as exc:
-                return f"{file.name}: {exc}"
-        return None
-    if path.is_dir():  # torch.distributed.checkpoint: .metadata says which bytes of which file hold each tensor
-        from torch.distributed.checkpoint import FileSystemReader
-
-        try:
-            stored = FileSystemReader(str(path)).read_metadata().storage_data.values()
-        except Exception as exc:  # noqa: BLE001 - a truncated pickle raises whatever it hits
-            return f"{name}/.metadata: {type(exc).__name__}: {exc}"
-        needed: dict[str, int] = {}
-        for item in stored:
-            needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-        for file, size in sorted(needed.items()):
-            if not (path / file).is_file() or (path / file).stat().st_size < size:
-                return f"{name}/{file}: missing or cut short (needs {size} bytes)"
-        return None
-    try:  # torch.save's zip archive: its directory is written last, so a cut file has none
-        with zipfile.ZipFile(path) as archive:
-            archive.namelist()
-    except (OSError, zipfile.BadZipFile) as exc:
-        return f"{name}: {exc}"
     return None
 
 
@@ -2087,74 +2013,59 @@ def run_measure(args: argparse.Namespace, plan: dict[str, Any]) -> int:
 
 
 # --- Trainer ----------------------------------------------------------------------------------------------------------
-@functools.cache
-def harbor_rollout_loop() -> type:
+class HarborRolloutLoop(_HarnessRolloutLoop):
     """TRL's loop-owning harness loop (it runs in TRL's rollout child), scoring each group the way this script trains.
 
     `_score_group` is where TRL turns a finished group into samples: the group's rewards are shaped first
     (`shape_group_rewards`), TRL's own code normalises them into advantages, and a group with zero variance is kept
     out of the trainer's queue unless --max-zero-variance-groups is 0. A run of such groups stops the worker with
-    NO_SIGNAL, which the trainer reports as one line. Built on first use, so that only training imports trl; the
-    module's `__getattr__` serves it to TRL's child, which unpickles it by name.
+    NO_SIGNAL, which the trainer reports as one line.
     """
-    import asyncio
 
-    from trl.experimental.async_grpo.openenv_harness import _HarnessRolloutLoop
+    def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, **loop_kwargs: Any):
+        super().__init__(**loop_kwargs)
+        self.efficiency_weight = efficiency_weight
+        self.max_zero_variance_groups = max_zero_variance_groups
+        self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
 
-    class HarborRolloutLoop(_HarnessRolloutLoop):
-        def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, **loop_kwargs: Any):
-            super().__init__(**loop_kwargs)
-            self.efficiency_weight = efficiency_weight
-            self.max_zero_variance_groups = max_zero_variance_groups
-            self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
+    async def _score_group(self, group):
+        group.rollout_rewards = shape_group_rewards(group.rollout_rewards, self.efficiency_weight)
+        samples = await super()._score_group(group)
+        rewards = [r for r in group.rollout_rewards if r is not None]
+        if not rewards:
+            return samples  # none scorable, so no samples: --max-consecutive-failures watches these
+        if not zero_variance(rewards):
+            self.flat_run = []
+            return samples
+        if not self.max_zero_variance_groups:
+            return samples
+        self.flat_run.append(rewards[0] > 0)
+        if len(self.flat_run) >= self.max_zero_variance_groups:
+            solved = sum(self.flat_run)
+            raise ValueError(
+                f"{NO_SIGNAL} the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} "
+                f"solved by every rollout, {len(self.flat_run) - solved} by none), so no advantage was left to "
+                "learn from: the tasks are too hard or too easy for the model. Measure pass rates (--eval-only "
+                "--curate) and train on the curated list, or raise --max-zero-variance-groups")
+        return []
 
-        async def _score_group(self, group):
-            group.rollout_rewards = shape_group_rewards(group.rollout_rewards, self.efficiency_weight)
-            samples = await super()._score_group(group)
-            rewards = [r for r in group.rollout_rewards if r is not None]
-            if not rewards:
-                return samples  # none scorable, so no samples: --max-consecutive-failures watches these
-            if not zero_variance(rewards):
-                self.flat_run = []
-                return samples
-            if not self.max_zero_variance_groups:
-                return samples
-            self.flat_run.append(rewards[0] > 0)
-            if len(self.flat_run) >= self.max_zero_variance_groups:
-                solved = sum(self.flat_run)
-                raise ValueError(
-                    f"{NO_SIGNAL} the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} "
-                    f"solved by every rollout, {len(self.flat_run) - solved} by none), so no advantage was left to "
-                    "learn from: the tasks are too hard or too easy for the model. Measure pass rates (--eval-only "
-                    "--curate) and train on the curated list, or raise --max-zero-variance-groups")
-            return []
-
-        async def _run_loops(self, stop_event) -> None:
-            try:
-                await super()._run_loops(stop_event)
-            except ValueError as exc:
-                if not str(exc).startswith((ROLLOUTS_FAILING, NO_SIGNAL)):
-                    raise
-                # A stop this script decided, its reason written for the user: sent through TRL's failure channel
-                # (the trainer raises it from check_health) without the three tracebacks TRL's child prints for a crash.
-                self._exception_info_queue.put_nowait((type(exc).__name__, str(exc), ""))
-                self._failed_event.set()
-                # TRL's gather left the generate loop running; closing the event loop under it printed "Task was
-                # destroyed but it is pending" and a traceback at the child's exit (seen in CI).
-                stop_event.set()
-                others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-                for task in others:
-                    task.cancel()
-                await asyncio.gather(*others, return_exceptions=True)
-
-    HarborRolloutLoop.__qualname__ = "HarborRolloutLoop"
-    return HarborRolloutLoop
-
-
-def __getattr__(name: str) -> Any:
-    if name == "HarborRolloutLoop":
-        return harbor_rollout_loop()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    async def _run_loops(self, stop_event) -> None:
+        try:
+            await super()._run_loops(stop_event)
+        except ValueError as exc:
+            if not str(exc).startswith((ROLLOUTS_FAILING, NO_SIGNAL)):
+                raise
+            # A stop this script decided, its reason written for the user: sent through TRL's failure channel
+            # (the trainer raises it from check_health) without the three tracebacks TRL's child prints for a crash.
+            self._exception_info_queue.put_nowait((type(exc).__name__, str(exc), ""))
+            self._failed_event.set()
+            # TRL's gather left the generate loop running; closing the event loop under it printed "Task was
+            # destroyed but it is pending" and a traceback at the child's exit (seen in CI).
+            stop_event.set()
+            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
 
 
 class RolloutAccounting:
@@ -2337,38 +2248,26 @@ class RolloutAccounting:
 
 
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
-    """Stop TRL's rollout child promptly and boundedly.
-
-    TRL 1.16's `stop()` joins the child for 15 s and terminates it: the child cannot exit while items it put on
-    `rollout_buffer` / `metrics_queue` are unread (mp.Queue flushes its pipe at exit), so we drain both while it
-    winds down. If the child died holding the stop Event's lock, `Event.set()` blocks forever: it gets its own
-    thread and a deadline.
-    """
-    proc = worker._process
-    if proc is None:
-        return
-    t0 = time.monotonic()
-    if proc.is_alive():
-        setter = threading.Thread(target=worker._stop_event_mp.set, daemon=True)
-        setter.start()
-        setter.join(timeout=5.0)
-    while proc.is_alive() and time.monotonic() - t0 < timeout_s:
-        for q in (worker.rollout_buffer, worker.metrics_queue):
-            try:
-                while True:
-                    q.get_nowait()
-                    worker.samples_left_at_stop += q is worker.rollout_buffer  # produced, never trained
-            except (queue.Empty, OSError, EOFError, ValueError):
-                pass
-        proc.join(timeout=0.05)
-    if proc.is_alive():
-        print(f"[harbor] rollout worker did not exit within {timeout_s:.0f}s; killing it", flush=True)
-        proc.kill()
-        proc.join(timeout=5)
-    else:
-        print(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s (exit code "
-              f"{proc.exitcode})", flush=True)
-    worker._process = None
+    """TRL's `stop()`, once the child has had `timeout_s` to exit on its own. TRL 1.16's joins it for 15 s, then
+    terminates it: a child cannot exit while items it put on `rollout_buffer` / `metrics_queue` are unread (mp.Queue
+    flushes its pipe at exit), and at a preemption those seconds come out of the grace period before the checkpoint
+    save. The stop Event is set from a thread: if the child died holding the Event's lock, `set()` never returns."""
+    proc, t0 = worker._process, time.monotonic()
+    if proc is not None and proc.is_alive():
+        threading.Thread(target=worker._stop_event_mp.set, daemon=True).start()
+        while proc.is_alive() and time.monotonic() - t0 < timeout_s:
+            for q in (worker.rollout_buffer, worker.metrics_queue):
+                try:
+                    while True:
+                        q.get_nowait()
+                        worker.samples_left_at_stop += q is worker.rollout_buffer  # produced, never trained
+                except (queue.Empty, OSError, EOFError, ValueError):
+                    pass
+            proc.join(timeout=0.05)
+    if proc is not None and not proc.is_alive():
+        say(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s (exit code {proc.exitcode})")
+        worker._process = None
+    HarnessRolloutWorker.stop(worker)  # a child still running: TRL's join, then SIGTERM (it releases its sessions)
 
 
 class Preempted(BaseException):
@@ -2496,9 +2395,6 @@ class VisitOrder:
         self.rows, self.pending, self.start = rows, list(pending), start
         self._passes = 0
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     def __iter__(self):
         first, self._passes = self._passes == 0, self._passes + 1
         n = len(self.rows)
@@ -2540,66 +2436,23 @@ def stop_batch_on_preempt(batches, num_processes: int):
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
-def collective_timeout_s(args: argparse.Namespace) -> int:
-    """Process-group timeout. Ranks >= 1 wait in a collective while rank 0 collects rollouts for a micro-batch: a
-    whole group, whose rollouts may run one after another when sandboxes are scarce (NCCL's default is 10 min)."""
-    return int(args.num_generations * rollout_budget_s(args.agent_timeout))
-
-
-def rollout_child_context() -> Any:
-    """Where TRL's rollout child starts from: a forkserver that imports what the child runs (TRL, torch, openenv)
-    while the trainer runs its preflight and loads the model, then forks the child at once.
-
-    TRL spawns the child only after the cold weight sync and waits for it, and a spawned child imports all of that
-    again first: 5-6 s of every launch's 12-14 s to its first rollout on the 2-core bench (bench/results), tens of
-    seconds with vLLM on a GPU node by TRL's own account. The forkserver starts with the launcher's signals blocked
-    (the mask survives exec) and leaves when the trainer does; a forked child unblocks them (HarborSessionFactory).
-    It sees no GPU, as TRL wants the child: a CUDA driver initialised before the fork would break the child.
-    """
-    import multiprocessing.forkserver
-    import multiprocessing.resource_tracker
-
-    context = multiprocessing.get_context("forkserver")
-    # `__main__` first keeps openenv's web UI (gradio) out of the forkserver too, on Pythons that pass it the script's
-    # path (3.13.8+); elsewhere the forkserver imports it, off the trainer's path.
-    context.set_forkserver_preload(["__main__", "trl.experimental.async_grpo.openenv_harness", "openenv.harbor.client"])
-    multiprocessing.resource_tracker.ensure_running()  # first: starting it unblocks SIGTERM again
-    gpus = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")}
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORKSERVER_BLOCKED)  # meanwhile they wait for the trainer
-    try:
-        os.environ.update(dict.fromkeys(gpus, ""))
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        for name, value in gpus.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    return context
-
-
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]]):
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOTrainer
-    from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
     class HarborRolloutWorker(HarnessRolloutWorker):
-        _loop_cls = harbor_rollout_loop()
+        _loop_cls = HarborRolloutLoop
         stop = stop_rollout_worker
         samples_left_at_stop = 0
-
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.rows, self.pending, self.order = kwargs["dataset"], [], None
+        pending: list[int] = []  # the untrained groups the resumed checkpoint left (_inner_training_loop)
 
         def start(self) -> None:
             # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
-            self.order = VisitOrder(self.rows, self.pending, self._loop_kwargs["dataset_start_index"])
-            self._loop_kwargs.update(dataset=self.order, dataset_start_index=0)
-            self._mp_ctx = rollout_child_context()  # TRL's queues and events are spawn's: a forkserver takes them too
+            kw = self._loop_kwargs
+            self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
+            kw.update(dataset=self.order, dataset_start_index=0)
             super().start()
 
         def check_health(self, stale_after_s: float) -> None:
@@ -2666,10 +2519,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             """Untrained visits and the next visit, for rollout_state.json: every group the trainer took but no
             optimizer step trained runs again (collated ahead, in a dropped step, stale), none that one trained does.
             A group that yielded no sample at all (every rollout failed) is done: rerunning it would fail again."""
-            worker = self.rollout_worker
-            order = worker.order or VisitOrder(worker.rows, worker.pending, worker._loop_kwargs["dataset_start_index"])
             seen = max(self._trained_groups, default=-1) + 1
-            return order.after(seen, self.trained_groups | accounting.unscorable_groups)
+            return self.rollout_worker.order.after(seen, self.trained_groups | accounting.unscorable_groups)
 
         def _inner_training_loop(self, *a, **kw):
             checkpoint = kw.get("resume_from_checkpoint")
@@ -2755,9 +2606,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     rank = launch_rank()
-    if rank == 0 and not (args.check or args.measure):  # TRL runs rollouts on the main process only
-        rollout_child_context()  # its imports run beside the preflight's and the model load
-    share = join_ranks(collective_timeout_s(args)) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    share = join_ranks(args.ddp_timeout) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
     try:
         code, plan = None, {}
