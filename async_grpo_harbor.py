@@ -45,6 +45,7 @@ Run it (see README.md for the full walk-through):
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import dataclasses
 import difflib
@@ -70,23 +71,28 @@ import types
 import urllib.error
 import urllib.parse
 import urllib.request
-from datetime import datetime, timezone
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-# Nothing heavy at module level: `--help` and a refused argument answer at once, and the forkserver of TRL's rollout
-# child, which imports this file first, imports only what the child runs. Each path imports what it needs where it
-# needs it.
 if TYPE_CHECKING:
-    from openenv.core.harness import TrainingTrace, VerifyResult
     from openenv.harbor.models import HarborRolloutResult
 
-# openenv 0.10 imports gradio (its web UI, ~2.5 s) with anything from `openenv.core`, here and again in TRL's rollout
-# child. Neither serves a UI, and openenv leaves the UI out when gradio cannot be imported.
-sys.modules.setdefault("gradio", None)
 # The script is written against trl==1.16.0's experimental AsyncGRPO (pinned above); TRL's two-line warning about that
-# API would otherwise open every refusal TrlParser makes and the rollout child's log.
+# API would otherwise open every refusal and the rollout child's log.
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+# AsyncGRPOConfig's own default (gradient_checkpointing=True) draws transformers' rename warning on every command.
+warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from accelerate import PartialState  # noqa: E402
+from openenv.core.harness import ResourceSession, ResourceSessionFactory, TrainingTrace, VerifyResult  # noqa: E402
+from trl import TrlParser  # noqa: E402
+from trl.experimental.async_grpo import AsyncGRPOConfig  # noqa: E402
+from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop  # noqa: E402
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
@@ -98,367 +104,244 @@ NO_SIGNAL = "harbor groups carry no signal:"
 REQUEUE_EXIT_CODE = 75
 # What SLURM, scancel and `kill` send to stop a run: the trainer checkpoints on them (StopRequest).
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
-# Blocked in the forkserver of TRL's rollout child, so that only the trainer's exit ends it (rollout_child_context).
-FORKSERVER_BLOCKED = STOP_SIGNALS | {signal.SIGINT}
 
 
 # --- Arguments --------------------------------------------------------------------------------------------------------
-def build_parser(trl_fields: dict[str, Any] | None = None) -> argparse.ArgumentParser:
-    """The script's flags; with AsyncGRPOConfig's fields (parse_trl_args), a TrlParser that declares the ones the
-    script sets a default for as TRL does, in the script's groups, with its default and help."""
-    if trl_fields is not None:
-        from trl import TrlParser
-    p = (argparse.ArgumentParser if trl_fields is None else TrlParser)(
-        description="RL-train a model on a Harbor task suite through a loop-owning harness with TRL AsyncGRPO.",
-        usage="%(prog)s [--config RECIPE_YAML] [--flag VALUE ...]  (--help-all: every AsyncGRPOConfig field too)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        # `--mod X` must not silently mean --model: the SLURM wrappers read flags from the same command line.
-        allow_abbrev=False,
-    )
+# One TrlParser over ScriptArguments (this script's flags) and HarborGRPOConfig (AsyncGRPOConfig with this script's
+# defaults and help): --help, --config recipes and every TRL field come from these two declarations. A new flag is one
+# field in either; another TRL dataclass joins the parser's tuple (a name two of them declare must be init=False in
+# one of them, or argparse refuses the second --name).
+def arg(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
 
-    def trl_field(g, name: str, default: Any, help: str, **kw: Any) -> None:
-        if trl_fields is None:  # --help and a plain launch: TRL's declaration costs a 5 s import, this one nothing
-            g.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, help=help, **kw)
-            return
-        field = trl_fields.pop(name)
-        field.default, field.metadata = default, {**field.metadata, "help": help}
-        TrlParser._parse_dataclass_field(g, field)  # HfArgumentParser's own declaration of a field, into this group
 
-    p.add_argument("--config", metavar="RECIPE_YAML",
-                   help="A recipe, as in TRL's scripts: YAML of any flag of this script or AsyncGRPOConfig field by "
-                        "its underscored name (`agent_step_limit: 20`, `epsilon_high: 0.28`), and an optional `env:` "
-                        "mapping. The command line overrides it.")
-    p.add_argument("--help-all", action="store_true",
-                   help="--help, then every other AsyncGRPOConfig field (TRL's and transformers' TrainingArguments), "
-                        "each accepted as --name-with-dashes, --name_with_underscores and a recipe key.")
-    g = p.add_argument_group("policy and engine")
-    g.add_argument("--model", default="Qwen/Qwen3-4B-Instruct-2507",
-                   help="Model to train (hub id or local dir). Must be the model vLLM serves: its weights are "
-                        "replaced in vLLM after every optimizer step.")
-    trl_field(g, "dtype", "float32", choices=["float32", "bfloat16", "float16", "auto"],
-              help="The trainer's weights and AdamW state (TRL's AsyncGRPOConfig.dtype; GPUs compute under bf16 "
+@dataclass
+class ScriptArguments:
+    model: str = arg("Qwen/Qwen3-4B-Instruct-2507",
+                     "Model to train (hub id or local dir). Must be the model vLLM serves: its weights are replaced in "
+                     "vLLM after every optimizer step.")
+    harbor_url: str = arg("", "Base URL of a running `openenv harbor serve` to use. Empty: this script starts its own "
+                              "on 127.0.0.1 for --dataset and --vllm-url, and stops it when it exits.")
+    harbor_retry_window: float = arg(
+        300.0, "Seconds the Harbor server may stay unreachable (a restart) without ending the run: rollouts it lost "
+               "start again in new sessions when it is back. Unreachable longer: the run stops (exit 1, resume from "
+               "the last checkpoint). Also how long a full server is retried.")
+    harbor_command: str = arg(f"{sys.executable} -m openenv.cli harbor serve",
+                              "Without --harbor-url: the command that runs `openenv harbor serve` (its options are "
+                              "appended), e.g. `uvx --python 3.12 --from openenv[harbor]==0.10.0 openenv harbor serve`.")
+    harbor_expose: str = arg(
+        "auto", "Without --harbor-url: how the harness reaches the capture proxy. direct advertises 127.0.0.1: right "
+                "for harnesses that run host-side (openenv's HOST_SIDE_AGENTS) and sandboxes that share this host's "
+                "network; wrong for cloud sandboxes (e2b) and docker's bridge network, which need a tunnel: "
+                "cloudflare (needs cloudflared) or gradio. Tunnels admit only per-rollout session keys. auto picks by "
+                "harness and sandbox and says why in the preflight.", choices=["auto", "direct", "cloudflare", "gradio"])
+    dataset: str = arg(DEFAULT_DATASET, "Harbor dataset spec the server serves (HF repo, dir or name@version); selects "
+                                        "the server split. Default: 2,238 verified data-analysis tasks built for RL.")
+    split: str = arg("", "Server split name, when it differs from --dataset. Empty: the split named like --dataset "
+                         "(or, for the default dataset, the server's only split).")
+    tasks: str = arg(DEFAULT_TASKS,
+                     "Tasks to train on, in this order: indices, ranges and task names (`0-49,57,hello-world`), or "
+                     "`@file` with one entry per line (`#` comments). Every entry must exist on the server. Default: "
+                     "the tasks.txt shipped beside this script, for the default dataset.")
+    harness: str = arg("mini-swe-agent", "Agent harness the server runs in the sandbox; it owns its own loop.")
+    sandbox: str = arg("e2b", "Harbor environment type the server starts per rollout (its credentials must be set on "
+                              "the server, e.g. E2B_API_KEY for e2b).")
+    reward_key: str = arg("", "For tasks that emit several rewards: the key to train on, or a comma-separated "
+                              "preference list. Empty: the task's `reward`.")
+    agent_step_limit: int = arg(
+        30, "Model calls per rollout (a count, capped at the proxy). A memory guard: a rollout's packed row grows by "
+            "every turn (~1k tokens), and the tokens forwarded to vLLM with its square (each turn re-sends the "
+            "conversation). 30 is the longest whose row fits a 32k context at ~1k tokens per turn (README: Capacity).")
+    efficiency_weight: float = arg(
+        0.1, "Bonus for solving with fewer agent turns, in [0, 1): it only orders solved rollouts of equal "
+             "correctness, in groups that mix correctness levels, and moves an advantage by at most this fraction of "
+             "one correctness step (README: Reward). 0 disables it.")
+    max_zero_variance_groups: int = arg(
+        100, "Groups whose shaped rewards are all exactly equal have every advantage 0: they are kept out of training "
+             "(and counted, harbor/zero_variance_*). After this many such groups in a row (no group with any reward "
+             "variance: tasks too hard or too easy) training stops with an error instead of waiting for samples. 0: "
+             "train on them, as TRL does, and never stop.")
+    max_consecutive_failures: int = arg(
+        32, "Stop training after this many unscorable rollouts in a row (sandbox down, bad credentials, agent crash), "
+            "instead of waiting forever for samples.")
+    resume: str | None = arg(
+        None, "Resume trainer state and task position: bare `--resume` takes the latest checkpoint in the output dir; "
+              "`auto` the same if there is one, else starts fresh (one command for the first launch and every "
+              "requeue; needs --run-name, --output-dir or SLURM_JOB_ID); or give a checkpoint path. A corrupt or "
+              "partial checkpoint is skipped for the one before it.", nargs="?", const="latest")
+    check: bool = arg(False, "Run the preflight checks (vLLM, Harbor server, sandbox, tasks, run dir), print their "
+                             "table and exit: 0 when nothing FAILs. The same checks run before every training run.")
+    probe_rollout: bool = arg(False, "With the checks: run one rollout of the first task, end to end, to confirm the "
+                                     "sandbox, the harness, the capture URL and the reward key.")
+    eval_only: bool = arg(
+        False, "Measure instead of training: --eval-k rollouts per task (and per harness) at --temperature, through "
+               "the same Harbor server, then write pass_rates.csv to the output dir. Needs no token ids from the "
+               "engine, so a hosted model served by the Harbor server can be measured too.")
+    eval_k: int = arg(8, "Rollouts per task for --eval-only. The pass rate's standard error is sqrt(p(1-p)/k).")
+    curate: str | None = arg(
+        None, "Write a --tasks file of the learnable tasks (pass rate inside --band) from a pass_rates.csv; bare "
+              "--curate measures first (as --eval-only). Prints how many tasks fall below, inside and above the "
+              "band, and the fraction of GRPO groups expected to carry signal.",
+        nargs="?", const="", metavar="PASS_RATES_CSV")
+    band: str = arg("0.1,0.9", "LOW,HIGH: pass rates kept by --curate, inclusive. Outside it most groups of "
+                               "--num-generations rollouts score identically and teach nothing.")
+    curated_tasks: str = arg("", "Where --curate writes the task file. Empty: <output dir>/curated_tasks.txt.")
+    help_all: bool = arg(False, "--help, then every other AsyncGRPOConfig field (TRL's and transformers' "
+                                "TrainingArguments), each accepted as --name-with-dashes, --name_with_underscores "
+                                "and a recipe key.")
+
+
+@dataclass
+class HarborGRPOConfig(AsyncGRPOConfig):
+    """AsyncGRPOConfig with this script's defaults and help, the flags its own fields derive from, and those fields
+    (init=False: not flags; `--name` names where they come from)."""
+
+    _argument_group_name = "training (AsyncGRPOConfig, this script's defaults; --help-all: every field)"
+    vllm_url: str = arg("http://localhost:8000",
+                        "Base URL of `vllm serve` (no /v1). The trainer pushes weights there over NCCL.")
+    dtype: str = arg(
+        "float32", "The trainer's weights and AdamW state (TRL's AsyncGRPOConfig.dtype; GPUs compute under bf16 "
                    "autocast either way). float32: every update lands, at 16 B/param (weights, gradients, two "
-                   "moments), 12 B/param per checkpoint and 4 B/param per weight push; Qwen3-4B peaked at 75.1 "
-                   "GiB with 16k-token rows and 90.4 GiB with 32k (one H200). bfloat16: 54.4 GiB at 32k, half the "
-                   "push, vLLM's own precision, but a weight of 0.02 moves only in steps of 1.2e-4, so an AdamW "
-                   "step of ~--learning-rate below half that (1e-6 is) rounds to no change: training silently "
-                   "stops. float16: the same risk. auto: the checkpoint's dtype (bfloat16 for Qwen3).")
-    g.add_argument("--vllm-url", default="http://localhost:8000",
-                   help="Base URL of `vllm serve` (no /v1). The trainer pushes weights there over NCCL.")
+                   "moments), 12 B/param per checkpoint and 4 B/param per weight push; Qwen3-4B peaked at 75.1 GiB "
+                   "with 16k-token rows and 90.4 GiB with 32k (one H200). bfloat16: 54.4 GiB at 32k, half the push, "
+                   "vLLM's own precision, but a weight of 0.02 moves only in steps of 1.2e-4, so an AdamW step of "
+                   "~--learning-rate below half that (1e-6 is) rounds to no change: training silently stops. "
+                   "float16: the same risk. auto: the checkpoint's dtype (bfloat16 for Qwen3).",
+        choices=["float32", "bfloat16", "float16", "auto"])
+    agent_timeout: float = arg(600.0, "Seconds the agent may run per rollout; 0 uses the task's own timeout.")
+    num_generations: int = arg(
+        8, "Rollouts per task per group; advantages compare rollouts of the same task (>= 2).")
+    micro_batches_per_step: int = arg(
+        4, "Micro-batches per optimizer step. TRL packs each micro-batch with rollouts up to vLLM's max_model_len "
+           "tokens (its token budget: no rollout can be longer, so none is dropped), so rollouts per step = this x "
+           "how many fit in that budget.")
+    max_inflight: int = arg(16, "Rollouts running at once (= sandboxes alive at once). Size the Harbor server's "
+                                "MAX_CONCURRENT_ENVS to at least twice this.")
+    max_staleness: int = arg(4, "Optimizer steps a rollout may lag the current policy before it is dropped. Never "
+                                "below 1 in practice: accelerate prefetches one batch.")
+    temperature: float = arg(
+        1.0, "Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
+    max_completion_length: int = arg(
+        1024, "Tokens per model call (an agent turn). The Harbor server this script starts caps every turn there "
+              "(its --max-output-tokens); a server of yours needs that flag set to match. An agent turn is a thought "
+              "and one command: 30 turns x 1024 fit a 32k context.")
+    learning_rate: float = arg(1e-6, "AdamW learning rate, constant: the number of rollouts per step varies with "
+                                     "their length, so a decay horizon in steps means little.")
+    max_steps: int = arg(500, "Optimizer steps to train; the run's only stop condition (tasks are cycled).")
+    output_dir: str = arg("", "Checkpoints and logs. Empty: runs/<run name>.")
+    run_name: str = arg(
+        "", "Empty: the --output-dir's name if given, else <model>-<harness>-<sandbox>-<SLURM_JOB_ID, else UTC time + "
+            "random suffix>, so relaunches never write over each other while a requeued SLURM job keeps its name.")
+    project: str = arg("async-grpo-harbor", "trackio project, so runs on one suite compare side by side.")
+    report_to: str = arg("trackio", "Where metrics go: trackio (local, no account needed), none, or any HF integration.")
+    save_steps: int = arg(50, "Optimizer steps between checkpoints: what a crash or preemption can lose.")
+    save_total_limit: int | None = arg(
+        2, "Checkpoints kept in the output dir: the oldest is deleted once a newer one is complete (0 keeps all). "
+           "Each holds weights and AdamW moments, ~48 GB for Qwen3-4B in float32; the preflight prints the size and "
+           "the free disk.")
+    # Set in __post_init__, from what the help says.
+    gradient_accumulation_steps: int = field(default=1, init=False, metadata={"help": "from --micro-batches-per-step"})
+    max_inflight_tasks: int = field(default=1, init=False, metadata={"help": "from --max-inflight"})
+    vllm_server_base_url: str = field(default="", init=False, metadata={"help": "from --vllm-url"})
+    request_timeout: int = field(default=0, init=False, metadata={"help": "from --agent-timeout (+ 30 min)"})
+    ddp_timeout: int = field(default=0, init=False,
+                             metadata={"help": "from --num-generations x (--agent-timeout + 30 min)"})
+    save_strategy: str = field(default="steps", init=False, metadata={"help": "from --save-steps"})
+    logging_steps: float = field(default=1, init=False, metadata={"help": "for the per-step rollout accounting"})
+    resume_from_checkpoint: str | None = field(default=None, init=False, metadata={"help": "from --resume"})
+    # bf16 autocast exists only on GPUs; elsewhere it would score at another precision than the engine. Without CUDA,
+    # ranks join over gloo (join_ranks); accelerate only runs several processes on CPU when told.
+    bf16: bool | None = field(default=None, init=False, metadata={"help": "from the hardware (bf16 autocast on GPUs)"})
+    use_cpu: bool = field(default=False, init=False, metadata={"help": "from the hardware (CPU without CUDA)"})
+    # A loop-owning harness trains the full-vocabulary policy at --temperature: the capture proxy refuses filters.
+    top_p: float = field(default=1.0, init=False, metadata={"help": "to 1.0: the full vocabulary"})
+    top_k: int = field(default=0, init=False, metadata={"help": "to 0: the full vocabulary"})
+    min_p: float | None = field(default=None, init=False, metadata={"help": "to None: the full vocabulary"})
+    repetition_penalty: float = field(default=1.0, init=False, metadata={"help": "to 1.0: the full vocabulary"})
 
-    g = p.add_argument_group("harbor")
-    g.add_argument("--harbor-url", default="",
-                   help="Base URL of a running `openenv harbor serve` to use. Empty: this script starts its own on "
-                        "127.0.0.1 for --dataset and --vllm-url, and stops it when it exits.")
-    g.add_argument("--harbor-retry-window", type=float, default=300.0,
-                   help="Seconds the Harbor server may stay unreachable (a restart) without ending the run: rollouts "
-                        "it lost start again in new sessions when it is back. Unreachable longer: the run stops "
-                        "(exit 1, resume from the last checkpoint). Also how long a full server is retried.")
-    g.add_argument("--harbor-command", default=f"{sys.executable} -m openenv.cli harbor serve",
-                   help="Without --harbor-url: the command that runs `openenv harbor serve` (its options are "
-                        "appended), e.g. `uvx --python 3.12 --from openenv[harbor]==0.10.0 openenv harbor serve`.")
-    g.add_argument("--harbor-expose", default="auto", choices=["auto", "direct", "cloudflare", "gradio"],
-                   help="Without --harbor-url: how the harness reaches the capture proxy. direct advertises "
-                        "127.0.0.1: right for harnesses that run host-side (openenv's HOST_SIDE_AGENTS) and sandboxes "
-                        "that share this host's network; wrong for cloud sandboxes (e2b) and docker's bridge network, "
-                        "which need a tunnel: cloudflare (needs cloudflared) or gradio. Tunnels admit only "
-                        "per-rollout session keys. auto picks by harness and sandbox and says why in the preflight.")
-    g.add_argument("--dataset", default=DEFAULT_DATASET,
-                   help="Harbor dataset spec the server serves (HF repo, dir or name@version); selects the server "
-                        "split. Default: 2,238 verified data-analysis tasks built for RL.")
-    g.add_argument("--split", default="",
-                   help="Server split name, when it differs from --dataset. Empty: the split named like --dataset "
-                        "(or, for the default dataset, the server's only split).")
-    g.add_argument("--tasks", default=DEFAULT_TASKS,
-                   help="Tasks to train on, in this order: indices, ranges and task names (`0-49,57,hello-world`), "
-                        "or `@file` with one entry per line (`#` comments). Every entry must exist on the server. "
-                        "Default: the tasks.txt shipped beside this script, for the default dataset.")
-    g.add_argument("--harness", default="mini-swe-agent",
-                   help="Agent harness the server runs in the sandbox; it owns its own loop.")
-    g.add_argument("--sandbox", default="e2b",
-                   help="Harbor environment type the server starts per rollout (its credentials must be set on the "
-                        "server, e.g. E2B_API_KEY for e2b).")
-    g.add_argument("--reward-key", default="",
-                   help="For tasks that emit several rewards: the key to train on, or a comma-separated preference "
-                        "list. Empty: the task's `reward`.")
-    g.add_argument("--agent-step-limit", type=int, default=30,
-                   help="Model calls per rollout (a count, capped at the proxy). A memory guard: a rollout's packed "
-                        "row grows by every turn (~1k tokens), and the tokens forwarded to vLLM with its square (each "
-                        "turn re-sends the conversation). 30 is the longest whose row fits a 32k context at ~1k tokens "
-                        "per turn (README: Capacity).")
-    g.add_argument("--agent-timeout", type=float, default=600.0,
-                   help="Seconds the agent may run per rollout; 0 uses the task's own timeout.")
-
-    g = p.add_argument_group("GRPO")
-    trl_field(g, "num_generations", 8,
-              help="Rollouts per task per group; advantages compare rollouts of the same task (>= 2).")
-    g.add_argument("--micro-batches-per-step", type=int, default=4,
-                   help="Micro-batches per optimizer step. TRL packs each micro-batch with rollouts up to vLLM's "
-                        "max_model_len tokens (its token budget: no rollout can be longer, so none is dropped), so "
-                        "rollouts per step = this x how many fit in that budget.")
-    g.add_argument("--max-inflight", type=int, default=16,
-                   help="Rollouts running at once (= sandboxes alive at once). Size the Harbor server's "
-                        "MAX_CONCURRENT_ENVS to at least twice this.")
-    trl_field(g, "max_staleness", 4,
-              help="Optimizer steps a rollout may lag the current policy before it is dropped. Never below 1 in "
-                   "practice: accelerate prefetches one batch.")
-    trl_field(g, "temperature", 1.0,
-              help="Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
-    trl_field(g, "max_completion_length", 1024,
-              help="Tokens per model call (an agent turn). The Harbor server this script starts caps every turn "
-                   "there (its --max-output-tokens); a server of yours needs that flag set to match. An agent "
-                   "turn is a thought and one command: 30 turns x 1024 fit a 32k context.")
-    trl_field(g, "learning_rate", 1e-6,
-              help="AdamW learning rate, constant: the number of rollouts per step varies with their length, "
-                   "so a decay horizon in steps means little.")
-    trl_field(g, "max_steps", 500, help="Optimizer steps to train; the run's only stop condition (tasks are cycled).")
-    g.add_argument("--efficiency-weight", type=float, default=0.1,
-                   help="Bonus for solving with fewer agent turns, in [0, 1): it only orders solved rollouts of equal "
-                        "correctness, in groups that mix correctness levels, and moves an advantage by at most this "
-                        "fraction of one correctness step (README: Reward). 0 disables it.")
-    g.add_argument("--max-zero-variance-groups", type=int, default=100,
-                   help="Groups whose shaped rewards are all exactly equal have every advantage 0: they are kept out "
-                        "of training (and counted, harbor/zero_variance_*). After this many such groups in a row "
-                        "(no group with any reward variance: tasks too hard or too easy) training stops with an "
-                        "error instead of waiting for samples. 0: train on them, as TRL does, and never stop.")
-    g.add_argument("--max-consecutive-failures", type=int, default=32,
-                   help="Stop training after this many unscorable rollouts in a row (sandbox down, bad credentials, "
-                        "agent crash), instead of waiting forever for samples.")
-
-    g = p.add_argument_group("run")
-    trl_field(g, "output_dir", "", help="Checkpoints and logs. Empty: runs/<run name>.")
-    trl_field(g, "run_name", "",
-              help="Empty: the --output-dir's name if given, else <model>-<harness>-<sandbox>-<SLURM_JOB_ID, "
-                   "else UTC time + random suffix>, so relaunches never write over each other while a requeued "
-                   "SLURM job keeps its name.")
-    trl_field(g, "project", "async-grpo-harbor", help="trackio project, so runs on one suite compare side by side.")
-    trl_field(g, "report_to", "trackio",
-              help="Where metrics go: trackio (local, no account needed), none, or any HF integration.")
-    trl_field(g, "save_steps", 50, help="Optimizer steps between checkpoints: what a crash or preemption can lose.")
-    trl_field(g, "save_total_limit", 2,
-              help="Checkpoints kept in the output dir: the oldest is deleted once a newer one is complete (0 "
-                   "keeps all). Each holds weights and AdamW moments, ~48 GB for Qwen3-4B in float32; the "
-                   "preflight prints the size and the free disk.")
-    g.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="Resume trainer state and task position: bare `--resume` takes the latest checkpoint in the "
-                        "output dir; `auto` the same if there is one, else starts fresh (one command for the first "
-                        "launch and every requeue; needs --run-name, --output-dir or SLURM_JOB_ID); or give a "
-                        "checkpoint path. A corrupt or partial checkpoint is skipped for the one before it.")
-    g.add_argument("--check", action="store_true",
-                   help="Run the preflight checks (vLLM, Harbor server, sandbox, tasks, run dir), print their table "
-                        "and exit: 0 when nothing FAILs. The same checks run before every training run.")
-    g.add_argument("--probe-rollout", action="store_true",
-                   help="With the checks: run one rollout of the first task, end to end, to confirm the sandbox, the "
-                        "harness, the capture URL and the reward key.")
-
-    g = p.add_argument_group("measure and curate (no trainer, no weights)")
-    g.add_argument("--eval-only", action="store_true",
-                   help="Measure instead of training: --eval-k rollouts per task (and per harness) at --temperature, "
-                        "through the same Harbor server, then write pass_rates.csv to the output dir. Needs no token "
-                        "ids from the engine, so a hosted model served by the Harbor server can be measured too.")
-    g.add_argument("--eval-k", type=int, default=8,
-                   help="Rollouts per task for --eval-only. The pass rate's standard error is sqrt(p(1-p)/k).")
-    g.add_argument("--curate", nargs="?", const="", default=None, metavar="PASS_RATES_CSV",
-                   help="Write a --tasks file of the learnable tasks (pass rate inside --band) from a pass_rates.csv; "
-                        "bare --curate measures first (as --eval-only). Prints how many tasks fall below, inside "
-                        "and above the band, and the fraction of GRPO groups expected to carry signal.")
-    g.add_argument("--band", default="0.1,0.9",
-                   help="LOW,HIGH: pass rates kept by --curate, inclusive. Outside it most groups of --num-generations "
-                        "rollouts score identically and teach nothing.")
-    g.add_argument("--curated-tasks", default="",
-                   help="Where --curate writes the task file. Empty: <output dir>/curated_tasks.txt.")
-    return p
+    def __post_init__(self):
+        cuda = torch.cuda.is_available()
+        self.vllm_url = self.vllm_url.rstrip("/").removesuffix("/v1")
+        self.gradient_accumulation_steps, self.max_inflight_tasks = self.micro_batches_per_step, self.max_inflight
+        self.vllm_server_base_url, self.bf16, self.use_cpu = self.vllm_url, cuda, not cuda
+        self.request_timeout = int(rollout_budget_s(self.agent_timeout))
+        # Ranks >= 1 wait in a collective while rank 0 collects a whole group, whose rollouts may run one after another
+        # (NCCL's default is 10 min). TrainingArguments' device set-up creates the process group with ddp_timeout on
+        # GPUs only (CPU ranks get 30 min): accelerate's state creates it first, with it, on both.
+        self.ddp_timeout = int(self.num_generations * rollout_budget_s(self.agent_timeout))
+        PartialState(cpu=not cuda, timeout=timedelta(seconds=self.ddp_timeout))
+        self.save_total_limit = self.save_total_limit or None  # the script's 0 (keep all) is TRL's None
+        super().__post_init__()
 
 
 class UsageError(Exception):
     """Bad input or an unusable setup: reported as one line, exit code 2."""
 
 
-# AsyncGRPOConfig fields this script decides (trl_config): given directly, a value that differs is refused, naming
-# what decides it, rather than silently replaced. Top_p and the other sampling filters: see parse_trl_args.
-DECIDED_BY_SCRIPT = {
-    "gradient_accumulation_steps": "--micro-batches-per-step", "max_inflight_tasks": "--max-inflight",
-    "vllm_server_base_url": "--vllm-url", "request_timeout": "--agent-timeout (+ 30 min)",
-    "ddp_timeout": "--num-generations x (--agent-timeout + 30 min)", "save_strategy": "--save-steps",
-    "logging_steps": "the per-step rollout accounting", "resume_from_checkpoint": "--resume",
-    "bf16": "the hardware (bf16 autocast on GPUs only)", "use_cpu": "the hardware (CPU when CUDA is absent)",
-}
+# The fields declared here, listed by --help; the other AsyncGRPOConfig fields appear under --help-all.
+OWN_FLAGS = {f.name for f in dataclasses.fields(ScriptArguments)} | set(HarborGRPOConfig.__annotations__)
 
 
-def parse_trl_args(argv: list[str], help_all: bool) -> argparse.Namespace:
-    """The script's flags and every AsyncGRPOConfig field, with a --config recipe, through TRL's TrlParser. Loading
-    TRL takes seconds, so only a command line that needs it (a flag the script lacks, --config) pays for it."""
-    import copy
-    import typing
-
-    import yaml
-    from trl.experimental.async_grpo import AsyncGRPOConfig
-
-    hints = typing.get_type_hints(AsyncGRPOConfig)
-    fields = {f.name: copy.copy(f) for f in dataclasses.fields(AsyncGRPOConfig) if f.init}
-    for name, f in fields.items():
-        f.type = hints[name]
-        if name in DECIDED_BY_SCRIPT:  # None: not given
-            f.default, f.metadata = None, {"help": f"Set by this script from {DECIDED_BY_SCRIPT[name]}."}
-    p = build_parser(fields)  # takes the fields it sets a default for out of `fields`
-    g = p.add_argument_group("AsyncGRPOConfig: every other field (TRL's, and transformers' TrainingArguments)")
-    for f in fields.values():
-        p._parse_dataclass_field(g, f)
-    untouched = vars(p.parse_known_args([])[0])  # as argparse converts defaults, before a recipe replaces them
-    if help_all:
-        p.print_help()
-        raise SystemExit(0)
-    argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
-    recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
-    try:
-        ns, unknown_keys, unknown = p.parse_args_and_config(argv, return_remaining_strings=True,
-                                                            separate_remaining_strings=True)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise UsageError(f"--config {recipe}: {' '.join(str(exc).split())}") from None
-    if unknown_keys:
-        raise UsageError(f"--config {recipe}: unknown key(s) {', '.join(k[2:] for k in unknown_keys[::2])}: not a "
-                         "flag of this script nor an AsyncGRPOConfig field (--help-all lists them)")
-    if unknown:
-        raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (--help-all lists every flag)")
-    # The fields the user set (recipe or command line), for trl_config and the hyper-parameter table.
-    ns.trl = {n: v for n in fields if (v := ns.__dict__.pop(n)) != untouched[n]}
-    sampling = {k: ns.trl[k] for k in ("top_p", "top_k", "min_p", "repetition_penalty") if k in ns.trl}
-    if sampling:
-        from openenv.core.harness.capture.upstream import training_sampling
-        try:  # what the rollout child would raise at start, in the capture proxy's words
-            training_sampling({"temperature": ns.temperature, **sampling})
-        except ValueError as exc:
-            got = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in sampling.items())
-            raise UsageError(f"{got}: {exc}; a loop-owning harness trains the full-vocabulary policy at "
-                             "--temperature") from None
-    return ns
+class Parser(TrlParser):
+    def error(self, message: str):  # argparse's usage block and its error line: one `error:` line instead
+        raise UsageError(message)
 
 
-def trl_fields_decided(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    cuda = torch.cuda.is_available()
-    return {"gradient_accumulation_steps": args.micro_batches_per_step, "max_inflight_tasks": args.max_inflight,
-            "vllm_server_base_url": args.vllm_url, "request_timeout": int(rollout_budget_s(args.agent_timeout)),
-            "ddp_timeout": collective_timeout_s(args), "save_strategy": "steps", "logging_steps": 1,
-            "resume_from_checkpoint": None,
-            # bf16 autocast exists only on GPUs; elsewhere it would score at another precision than the engine.
-            # Without CUDA, ranks join over gloo (join_ranks); accelerate only runs several processes on CPU when told.
-            "bf16": cuda, "use_cpu": not cuda}
-
-
-def trl_config(args: argparse.Namespace):
-    """The AsyncGRPOConfig the trainer runs with: TRL's defaults, then the script's, the user's, what it decides."""
-    from trl.experimental.async_grpo import AsyncGRPOConfig
-
-    own = {f.name: getattr(args, f.name) for f in dataclasses.fields(AsyncGRPOConfig) if hasattr(args, f.name)}
-    keep = {"save_total_limit": args.save_total_limit or None}  # the script's 0 (keep all) is TRL's None
-    return AsyncGRPOConfig(**own | args.trl | trl_fields_decided(args) | keep)
-
-
-@functools.cache
-def installed_source(package: str, path: str) -> Any:
-    """The syntax tree of a file of an installed package, read without importing the package; None if unreadable."""
-    import ast
-    import importlib.util
-
-    try:
-        return ast.parse((Path(importlib.util.find_spec(package).submodule_search_locations[0]) / path).read_text())
-    except (AttributeError, TypeError, OSError, SyntaxError):
-        return None
-
-
-def trl_fields() -> dict[str, str] | None:
-    """AsyncGRPOConfig's fields and their annotations, read from the installed sources without importing them: the
-    import costs ~5 s (torch, transformers), which a mistyped flag should not pay. None where the classes are not laid
-    out as read here (then TrlParser decides; tests/test_refusals.py holds this to dataclasses.fields)."""
-    import ast
-
-    chain = [("trl", "experimental/async_grpo/async_grpo_config.py", "AsyncGRPOConfig", ["_BaseConfig"]),
-             ("trl", "trainer/base_config.py", "_BaseConfig", ["TrainingArguments"]),
-             ("transformers", "training_args.py", "TrainingArguments", [])]
-    fields: dict[str, str] = {}
-    for package, path, cls, bases in chain:
-        tree = installed_source(package, path)
-        node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None) if tree else None
-        if node is None or [ast.unparse(b) for b in node.bases] != bases:
-            return None
-        for n in node.body:  # a subclass's annotation wins
-            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
-                fields.setdefault(n.target.id, ast.unparse(n.annotation))
-    return fields
-
-
-def transformers_choices() -> dict[str, list[str]]:
-    """The values of transformers' string enums that fields are annotated with (`optim: OptimizerNames | str`), read
-    from its sources as trl_fields reads the fields; HfArgumentParser offers them as the field's choices."""
-    import ast
-
-    choices: dict[str, list[str]] = {}
-    for path in ("training_args.py", "trainer_utils.py"):
-        tree = installed_source("transformers", path)
-        if tree is None:
-            return {}
-        choices |= {node.name: [n.value.value for n in node.body if isinstance(n, ast.Assign)
-                                and isinstance(n.value, ast.Constant)]
-                    for node in tree.body if isinstance(node, ast.ClassDef)
-                    and [ast.unparse(b) for b in node.bases] == ["ExplicitEnum"]}
-    return choices
-
-
-BOOLEANS = ("yes", "true", "t", "y", "1", "no", "false", "f", "n", "0")  # transformers' string_to_bool, any case
-
-
-def invalid_field_value(annotation: str, value: str, choices: dict[str, list[str]]) -> str | None:
-    """Why HfArgumentParser would refuse `value` for a field of this annotation, where the value alone tells (a
-    number, a boolean, a name outside an enum's): checked without TRL's imports. None: it may take it."""
-    kind = annotation.removesuffix(" | None")
-    if kind == "bool":
-        return None if value.lower() in BOOLEANS else f"invalid bool value: '{value}' (one of {'/'.join(BOOLEANS)})"
-    if kind.endswith(" | str") and (allowed := choices.get(kind.removesuffix(" | str"))):  # the parser drops the str
-        return None if value in allowed else f"invalid choice: '{value}' (choose from {', '.join(allowed)})"
-    try:
-        {"int": int, "float": float}.get(kind, str)(value)
-    except ValueError:
-        return f"invalid {kind} value: '{value}'"
-    return None
-
-
-def refuse_unknown_flags(argv: list[str], unknown: list[str], own: set[str]) -> None:
-    """Refuse at once a flag that is neither the script's (`own`) nor an AsyncGRPOConfig field (HfArgumentParser also
-    takes --no_<field> for booleans), or a field's value of the wrong type; anything else goes to TrlParser."""
-    fields = trl_fields()
-    if fields is None:
-        return
-    flags: list[tuple[str, list[str]]] = []  # each unknown flag's name, with what was typed: it and its values
-    for arg in unknown:
-        if arg.startswith("--"):
-            flags.append((arg.split("=", 1)[0][2:].replace("-", "_"), [arg]))
-        elif flags:
-            flags[-1][1].append(arg)
-    wrong = [(name, typed) for name, typed in flags if name not in fields and name.removeprefix("no_") not in fields]
-    if wrong:
-        close = difflib.get_close_matches(wrong[0][0], set(fields) | own, n=1)
-        hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else ""
-        raise UsageError(f"unrecognized arguments: {' '.join(a for _, typed in wrong for a in typed)}{hint} "
-                         "(--help-all lists every flag)")
-    choices, theirs = transformers_choices(), set(fields) - own
-    for arg, following in zip(argv, [*argv[1:], "--"]):  # argv, not `unknown`: the script's own flags stay in line
-        flag, eq, value = arg.partition("=")
-        name, value = flag[2:].replace("-", "_"), value if eq else following
-        if arg.startswith("--") and name in theirs and not value.startswith("--") and \
-                (why := invalid_field_value(fields[name], value, choices)):
-            raise UsageError(f"{flag}: {why}")
+def build_parser(help_all: bool = False) -> Parser:
+    parser = Parser((ScriptArguments, HarborGRPOConfig), allow_abbrev=False,  # `--mod X` must never mean --model
+                    description="RL-train a model on a Harbor task suite through a loop-owning harness with TRL "
+                                "AsyncGRPO.",
+                    usage="%(prog)s [--config RECIPE_YAML] [--flag VALUE ...]  (--help-all: every AsyncGRPOConfig "
+                          "field too)")
+    parser.add_argument("--config", metavar="RECIPE_YAML",  # TrlParser reads it before parsing; here for --help
+                        help="A recipe, as in TRL's scripts: YAML of any flag of this script or AsyncGRPOConfig field "
+                             "by its underscored name (`agent_step_limit: 20`, `epsilon_high: 0.28`), and an "
+                             "optional `env:` mapping. The command line overrides it.")
+    for action in parser._actions:
+        if not (help_all or action.dest in OWN_FLAGS | {"help", "config"}):
+            action.help = argparse.SUPPRESS
+    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not (args.config or args.help_all):
-        refuse_unknown_flags(argv, unknown, {action.dest for action in parser._actions})
-    args = parse_trl_args(argv, args.help_all) if unknown or args.config or args.help_all else args
-    args.trl = getattr(args, "trl", {})
+    argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+    parser = build_parser(help_all="--help-all" in argv)
+    if "--help-all" in argv:
+        parser.print_help()
+        raise SystemExit(0)
+    recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+    defaults = [action.default for action in parser._actions]
+    named = {parser._option_string_actions[a.split("=")[0]].dest for a in argv if a.split("=")[0] in
+             parser._option_string_actions}
+
+    def trl_given() -> list[str]:  # AsyncGRPOConfig fields beyond the script's set on the command line or in the recipe
+        changed = {action.dest for action, default in zip(parser._actions, defaults) if action.default != default}
+        return sorted((named | changed) - OWN_FLAGS - {"config"})
+
+    try:
+        script, config, _, unknown_keys, unknown = parser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True)
+    except (OSError, yaml.YAMLError) as exc:
+        raise UsageError(f"--config {recipe}: {' '.join(str(exc).split())}") from None
+    except ValueError as exc:  # TRL's and transformers' own checks, as the config is built (a scheduler's name)
+        given = ", ".join(f"--{name.replace('_', '-')}" for name in trl_given()) or "none"
+        raise UsageError(f"AsyncGRPOConfig could not be built (TRL flags given: {given}): "
+                         f"{' '.join(str(exc).split())}") from None
+    if unknown_keys:
+        raise UsageError(f"--config {recipe}: unknown key(s) {', '.join(k[2:] for k in unknown_keys[::2])}: not a "
+                         "flag of this script nor an AsyncGRPOConfig field (--help-all lists them)")
+    if unknown:
+        name = unknown[0].split("=")[0].lstrip("-").replace("-", "_")
+        decided = HarborGRPOConfig.__dataclass_fields__.get(name)
+        close = difflib.get_close_matches(name, [a.dest for a in parser._actions], n=1)
+        hint = (f"; this script sets it {decided.metadata['help']}" if decided and not decided.init
+                else f"; did you mean --{close[0].replace('_', '-')}?" if close else "")
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown)}{hint} (--help-all lists every flag)")
+    # One namespace for the script: its flags, HarborGRPOConfig's own fields, the config the trainer gets, and the
+    # other AsyncGRPOConfig fields the user set (for the hyper-parameter table).
+    args = argparse.Namespace(**vars(script), **{name: getattr(config, name) for name in HarborGRPOConfig.__annotations__},
+                              config=config, trl={name: getattr(config, name) for name in trl_given()})
     positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
                 "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1,
                 "save_total_limit": 0, "eval_k": 1, "max_staleness": 0, "agent_timeout": 0, "harbor_retry_window": 0,
@@ -480,7 +363,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.efficiency_weight < 1:
         raise UsageError(f"--efficiency-weight must be in [0, 1) (got {args.efficiency_weight}): at 1 the bonus would "
                          "reach the next correctness level")
-    args.vllm_url = args.vllm_url.rstrip("/").removesuffix("/v1")
     args.harbor_url = args.harbor_url.rstrip("/")
     if args.probe_rollout and not args.check:
         raise UsageError("--probe-rollout is part of --check; add --check")
@@ -496,10 +378,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         model_short = Path(args.model.rstrip("/")).name
         args.run_name = f"{model_short}-{args.harness.replace(',', '+')}-{args.sandbox}-{stamp}"
     args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
-    for name, value in (trl_fields_decided(args) if args.trl else {}).items():
-        if args.trl.get(name, value) != value:
-            raise UsageError(f"--{name.replace('_', '-')} {args.trl[name]}: this script sets it from "
-                             f"{DECIDED_BY_SCRIPT[name]}, here to {value}; leave it out")
+    args.config.run_name, args.config.output_dir = args.run_name, args.output_dir
     return args
 
 
@@ -807,9 +686,7 @@ class HarborServerSession:
         return result
 
 
-# OpenEnv's `ResourceSession` and `ResourceSessionFactory` by shape, not by inheritance: they live in `openenv.core`,
-# seconds to import, and TRL checks only the `TrainableSession` protocol (tests/test_sessions.py holds us to all three).
-class HarborSession:
+class HarborSession(ResourceSession):
     """One rollout: the harness runs on the server, we only wait for its result.
 
     Satisfies OpenEnv's `TrainableSession`: `wait_for_completion()` runs the rollout, `fetch_training_trace()` hands
@@ -897,7 +774,6 @@ class HarborSession:
         return 0 if self.failure is None else 1
 
     def fetch_training_trace(self) -> TrainingTrace:
-        from openenv.core.harness import TrainingTrace
         from openenv.harbor.contract import to_training_trace
 
         if self._client.closed:
@@ -917,8 +793,6 @@ class HarborSession:
         return TrainingTrace(turns=[]) if self.failure is not None else trace
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
-        from openenv.core.harness import VerifyResult
-
         if self.failure is not None or self.result is None:
             return VerifyResult(env_reward=None, done=True,
                                 metrics={"failure": self.failure.message if self.failure else None})
@@ -931,7 +805,7 @@ class HarborSession:
         self._client.close()
 
 
-class HarborSessionFactory:
+class HarborSessionFactory(ResourceSessionFactory):
     """Creates one `HarborSession` per rollout. Built inside TRL's rollout child as `factory(sampling=...)`.
 
     `sampling` is the trainer's own policy (temperature), forwarded to every `run_rollout` so the proxy samples at
@@ -969,10 +843,8 @@ class HarborSessionFactory:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the trainer's stop request; it stops us when it is ready
         signal.signal(signal.SIGTERM, lambda signum, frame: self._abandon(128 + signum))
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORKSERVER_BLOCKED)  # see rollout_child_context
         # The trainer holds the other end of this pipe, which reads as closed once it is gone however it died (SIGKILL,
-        # OOM), already closed included. Not PR_SET_PDEATHSIG: this child's OS parent is the forkserver, which
-        # outlives the trainer by its interpreter's shutdown (~2 s measured, rollouts still starting meanwhile).
+        # OOM), already closed included.
         import multiprocessing.connection
 
         def leave_with_trainer(trainer=multiprocessing.parent_process().sentinel) -> None:
@@ -1402,10 +1274,10 @@ def check_capture_tier(pf: Preflight, report: Any, logprobs_mode: str | None) ->
 
 def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str, on_gpu: bool | None = None) -> None:
     """The precision the trainer scores at against the one vLLM samples at: on a GPU the trainer computes under bf16
-    autocast whatever its weights are (the config's bf16, trl_fields_decided; accelerate wraps the forward),
+    autocast whatever its weights are (the config's bf16, HarborGRPOConfig; accelerate wraps the forward),
     elsewhere in its weights' dtype. TRL's own start-up warning compares weight dtypes only."""
     if on_gpu is None:
-        on_gpu = trl_fields_decided(args)["bf16"]
+        on_gpu = args.bf16
     trains = trainer_dtype(args)
     computes = "bfloat16" if on_gpu else trains
     weights = f"the trainer's weights are {trains} (--dtype {args.dtype})"
@@ -1893,22 +1765,10 @@ def numbered_checkpoints(output_dir: str) -> list[Path]:
     return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
 
 
-# What a resume loads, by how the run was sharded: the optimizer file names the layout (transformers' _save_checkpoint,
-# accelerate's save_fsdp_model / save_fsdp_optimizer), and each layout resumes the weights from its own file.
-CHECKPOINT_LAYOUTS = {
-    "optimizer.pt": "model.safetensors",  # one process, or DDP
-    "optimizer.bin": "pytorch_model_fsdp.bin",  # FSDP, FULL_STATE_DICT (slurm/fsdp2.yaml)
-    "optimizer_0": "pytorch_model_fsdp_0",  # FSDP, SHARDED_STATE_DICT: torch.distributed.checkpoint folders
-}
-
-
 def checkpoint_problem(path: Path) -> str | None:
-    """Why a resume from `path` would fail or silently lose state, or None.
-
-    Structural checks only (every file a resume loads is present and complete): reading a multi-GB optimizer state
-    to the end would not fit in a preemption grace period. transformers resumes with a fresh optimizer, without a
-    word, when it finds no optimizer state or no scheduler.pt, so both are required.
-    """
+    """Why a resume from `path` would fail, or None. Only the state files this script reads are checked: every file of
+    a checkpoint-N is complete once it exists (the staged rename, publish_checkpoint), so what remains is a path that
+    is no checkpoint of this script, or state files damaged since."""
     try:
         int(json.loads((path / "trainer_state.json").read_text())["global_step"])
         rollout = json.loads((path / "rollout_state.json").read_text())
@@ -1916,60 +1776,6 @@ def checkpoint_problem(path: Path) -> str | None:
         [int(visit) for visit in rollout.get("pending", [])]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
-    layouts = [name for name in CHECKPOINT_LAYOUTS if (path / name).exists()]
-    if not layouts:
-        return f"no optimizer state ({', '.join(CHECKPOINT_LAYOUTS)})"
-    parts = [*layouts, *(CHECKPOINT_LAYOUTS[name] for name in layouts), "scheduler.pt",
-             *(f.name for f in path.glob("rng_state*.pth"))]
-    if "model.safetensors" not in parts and ((path / "model.safetensors").exists()
-                                             or (path / "model.safetensors.index.json").exists()):
-        parts.append("model.safetensors")  # FSDP's FULL_STATE_DICT also writes it: what inference loads
-    for name in parts:
-        if problem := artifact_problem(path, name):
-            return problem
-    return None
-
-
-def artifact_problem(checkpoint: Path, name: str) -> str | None:
-    """Why one saved artifact is missing or cut short, by its format, or None."""
-    import zipfile
-
-    from safetensors import SafetensorError, safe_open
-
-    path = checkpoint / name
-    if name == "model.safetensors":
-        index = checkpoint / "model.safetensors.index.json"
-        try:
-            files = ({checkpoint / f for f in json.loads(index.read_text())["weight_map"].values()}
-                     if index.is_file() else {path})
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
-            return f"{index.name}: {type(exc).__name__}: {exc}"
-        for file in sorted(files):
-            try:
-                with safe_open(str(file), "pt"):
-                    pass
-            except (OSError, SafetensorError) as exc:
-                return f"{file.name}: {exc}"
-        return None
-    if path.is_dir():  # torch.distributed.checkpoint: .metadata says which bytes of which file hold each tensor
-        from torch.distributed.checkpoint import FileSystemReader
-
-        try:
-            stored = FileSystemReader(str(path)).read_metadata().storage_data.values()
-        except Exception as exc:  # noqa: BLE001 - a truncated pickle raises whatever it hits
-            return f"{name}/.metadata: {type(exc).__name__}: {exc}"
-        needed: dict[str, int] = {}
-        for item in stored:
-            needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-        for file, size in sorted(needed.items()):
-            if not (path / file).is_file() or (path / file).stat().st_size < size:
-                return f"{name}/{file}: missing or cut short (needs {size} bytes)"
-        return None
-    try:  # torch.save's zip archive: its directory is written last, so a cut file has none
-        with zipfile.ZipFile(path) as archive:
-            archive.namelist()
-    except (OSError, zipfile.BadZipFile) as exc:
-        return f"{name}: {exc}"
     return None
 
 
@@ -2207,74 +2013,59 @@ def run_measure(args: argparse.Namespace, plan: dict[str, Any]) -> int:
 
 
 # --- Trainer ----------------------------------------------------------------------------------------------------------
-@functools.cache
-def harbor_rollout_loop() -> type:
+class HarborRolloutLoop(_HarnessRolloutLoop):
     """TRL's loop-owning harness loop (it runs in TRL's rollout child), scoring each group the way this script trains.
 
     `_score_group` is where TRL turns a finished group into samples: the group's rewards are shaped first
     (`shape_group_rewards`), TRL's own code normalises them into advantages, and a group with zero variance is kept
     out of the trainer's queue unless --max-zero-variance-groups is 0. A run of such groups stops the worker with
-    NO_SIGNAL, which the trainer reports as one line. Built on first use, so that only training imports trl; the
-    module's `__getattr__` serves it to TRL's child, which unpickles it by name.
+    NO_SIGNAL, which the trainer reports as one line.
     """
-    import asyncio
 
-    from trl.experimental.async_grpo.openenv_harness import _HarnessRolloutLoop
+    def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, **loop_kwargs: Any):
+        super().__init__(**loop_kwargs)
+        self.efficiency_weight = efficiency_weight
+        self.max_zero_variance_groups = max_zero_variance_groups
+        self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
 
-    class HarborRolloutLoop(_HarnessRolloutLoop):
-        def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, **loop_kwargs: Any):
-            super().__init__(**loop_kwargs)
-            self.efficiency_weight = efficiency_weight
-            self.max_zero_variance_groups = max_zero_variance_groups
-            self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
+    async def _score_group(self, group):
+        group.rollout_rewards = shape_group_rewards(group.rollout_rewards, self.efficiency_weight)
+        samples = await super()._score_group(group)
+        rewards = [r for r in group.rollout_rewards if r is not None]
+        if not rewards:
+            return samples  # none scorable, so no samples: --max-consecutive-failures watches these
+        if not zero_variance(rewards):
+            self.flat_run = []
+            return samples
+        if not self.max_zero_variance_groups:
+            return samples
+        self.flat_run.append(rewards[0] > 0)
+        if len(self.flat_run) >= self.max_zero_variance_groups:
+            solved = sum(self.flat_run)
+            raise ValueError(
+                f"{NO_SIGNAL} the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} "
+                f"solved by every rollout, {len(self.flat_run) - solved} by none), so no advantage was left to "
+                "learn from: the tasks are too hard or too easy for the model. Measure pass rates (--eval-only "
+                "--curate) and train on the curated list, or raise --max-zero-variance-groups")
+        return []
 
-        async def _score_group(self, group):
-            group.rollout_rewards = shape_group_rewards(group.rollout_rewards, self.efficiency_weight)
-            samples = await super()._score_group(group)
-            rewards = [r for r in group.rollout_rewards if r is not None]
-            if not rewards:
-                return samples  # none scorable, so no samples: --max-consecutive-failures watches these
-            if not zero_variance(rewards):
-                self.flat_run = []
-                return samples
-            if not self.max_zero_variance_groups:
-                return samples
-            self.flat_run.append(rewards[0] > 0)
-            if len(self.flat_run) >= self.max_zero_variance_groups:
-                solved = sum(self.flat_run)
-                raise ValueError(
-                    f"{NO_SIGNAL} the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} "
-                    f"solved by every rollout, {len(self.flat_run) - solved} by none), so no advantage was left to "
-                    "learn from: the tasks are too hard or too easy for the model. Measure pass rates (--eval-only "
-                    "--curate) and train on the curated list, or raise --max-zero-variance-groups")
-            return []
-
-        async def _run_loops(self, stop_event) -> None:
-            try:
-                await super()._run_loops(stop_event)
-            except ValueError as exc:
-                if not str(exc).startswith((ROLLOUTS_FAILING, NO_SIGNAL)):
-                    raise
-                # A stop this script decided, its reason written for the user: sent through TRL's failure channel
-                # (the trainer raises it from check_health) without the three tracebacks TRL's child prints for a crash.
-                self._exception_info_queue.put_nowait((type(exc).__name__, str(exc), ""))
-                self._failed_event.set()
-                # TRL's gather left the generate loop running; closing the event loop under it printed "Task was
-                # destroyed but it is pending" and a traceback at the child's exit (seen in CI).
-                stop_event.set()
-                others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-                for task in others:
-                    task.cancel()
-                await asyncio.gather(*others, return_exceptions=True)
-
-    HarborRolloutLoop.__qualname__ = "HarborRolloutLoop"
-    return HarborRolloutLoop
-
-
-def __getattr__(name: str) -> Any:
-    if name == "HarborRolloutLoop":
-        return harbor_rollout_loop()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    async def _run_loops(self, stop_event) -> None:
+        try:
+            await super()._run_loops(stop_event)
+        except ValueError as exc:
+            if not str(exc).startswith((ROLLOUTS_FAILING, NO_SIGNAL)):
+                raise
+            # A stop this script decided, its reason written for the user: sent through TRL's failure channel
+            # (the trainer raises it from check_health) without the three tracebacks TRL's child prints for a crash.
+            self._exception_info_queue.put_nowait((type(exc).__name__, str(exc), ""))
+            self._failed_event.set()
+            # TRL's gather left the generate loop running; closing the event loop under it printed "Task was
+            # destroyed but it is pending" and a traceback at the child's exit (seen in CI).
+            stop_event.set()
+            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
 
 
 class RolloutAccounting:
@@ -2457,38 +2248,26 @@ class RolloutAccounting:
 
 
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
-    """Stop TRL's rollout child promptly and boundedly.
-
-    TRL 1.16's `stop()` joins the child for 15 s and terminates it: the child cannot exit while items it put on
-    `rollout_buffer` / `metrics_queue` are unread (mp.Queue flushes its pipe at exit), so we drain both while it
-    winds down. If the child died holding the stop Event's lock, `Event.set()` blocks forever: it gets its own
-    thread and a deadline.
-    """
-    proc = worker._process
-    if proc is None:
-        return
-    t0 = time.monotonic()
-    if proc.is_alive():
-        setter = threading.Thread(target=worker._stop_event_mp.set, daemon=True)
-        setter.start()
-        setter.join(timeout=5.0)
-    while proc.is_alive() and time.monotonic() - t0 < timeout_s:
-        for q in (worker.rollout_buffer, worker.metrics_queue):
-            try:
-                while True:
-                    q.get_nowait()
-                    worker.samples_left_at_stop += q is worker.rollout_buffer  # produced, never trained
-            except (queue.Empty, OSError, EOFError, ValueError):
-                pass
-        proc.join(timeout=0.05)
-    if proc.is_alive():
-        print(f"[harbor] rollout worker did not exit within {timeout_s:.0f}s; killing it", flush=True)
-        proc.kill()
-        proc.join(timeout=5)
-    else:
-        print(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s (exit code "
-              f"{proc.exitcode})", flush=True)
-    worker._process = None
+    """TRL's `stop()`, once the child has had `timeout_s` to exit on its own. TRL 1.16's joins it for 15 s, then
+    terminates it: a child cannot exit while items it put on `rollout_buffer` / `metrics_queue` are unread (mp.Queue
+    flushes its pipe at exit), and at a preemption those seconds come out of the grace period before the checkpoint
+    save. The stop Event is set from a thread: if the child died holding the Event's lock, `set()` never returns."""
+    proc, t0 = worker._process, time.monotonic()
+    if proc is not None and proc.is_alive():
+        threading.Thread(target=worker._stop_event_mp.set, daemon=True).start()
+        while proc.is_alive() and time.monotonic() - t0 < timeout_s:
+            for q in (worker.rollout_buffer, worker.metrics_queue):
+                try:
+                    while True:
+                        q.get_nowait()
+                        worker.samples_left_at_stop += q is worker.rollout_buffer  # produced, never trained
+                except (queue.Empty, OSError, EOFError, ValueError):
+                    pass
+            proc.join(timeout=0.05)
+    if proc is not None and not proc.is_alive():
+        say(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s (exit code {proc.exitcode})")
+        worker._process = None
+    HarnessRolloutWorker.stop(worker)  # a child still running: TRL's join, then SIGTERM (it releases its sessions)
 
 
 class Preempted(BaseException):
@@ -2616,9 +2395,6 @@ class VisitOrder:
         self.rows, self.pending, self.start = rows, list(pending), start
         self._passes = 0
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     def __iter__(self):
         first, self._passes = self._passes == 0, self._passes + 1
         n = len(self.rows)
@@ -2660,66 +2436,23 @@ def stop_batch_on_preempt(batches, num_processes: int):
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
-def collective_timeout_s(args: argparse.Namespace) -> int:
-    """Process-group timeout. Ranks >= 1 wait in a collective while rank 0 collects rollouts for a micro-batch: a
-    whole group, whose rollouts may run one after another when sandboxes are scarce (NCCL's default is 10 min)."""
-    return int(args.num_generations * rollout_budget_s(args.agent_timeout))
-
-
-def rollout_child_context() -> Any:
-    """Where TRL's rollout child starts from: a forkserver that imports what the child runs (TRL, torch, openenv)
-    while the trainer runs its preflight and loads the model, then forks the child at once.
-
-    TRL spawns the child only after the cold weight sync and waits for it, and a spawned child imports all of that
-    again first: 5-6 s of every launch's 12-14 s to its first rollout on the 2-core bench (bench/results), tens of
-    seconds with vLLM on a GPU node by TRL's own account. The forkserver starts with the launcher's signals blocked
-    (the mask survives exec) and leaves when the trainer does; a forked child unblocks them (HarborSessionFactory).
-    It sees no GPU, as TRL wants the child: a CUDA driver initialised before the fork would break the child.
-    """
-    import multiprocessing.forkserver
-    import multiprocessing.resource_tracker
-
-    context = multiprocessing.get_context("forkserver")
-    # `__main__` first keeps openenv's web UI (gradio) out of the forkserver too, on Pythons that pass it the script's
-    # path (3.13.8+); elsewhere the forkserver imports it, off the trainer's path.
-    context.set_forkserver_preload(["__main__", "trl.experimental.async_grpo.openenv_harness", "openenv.harbor.client"])
-    multiprocessing.resource_tracker.ensure_running()  # first: starting it unblocks SIGTERM again
-    gpus = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")}
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORKSERVER_BLOCKED)  # meanwhile they wait for the trainer
-    try:
-        os.environ.update(dict.fromkeys(gpus, ""))
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        for name, value in gpus.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    return context
-
-
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]]):
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOTrainer
-    from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
     class HarborRolloutWorker(HarnessRolloutWorker):
-        _loop_cls = harbor_rollout_loop()
+        _loop_cls = HarborRolloutLoop
         stop = stop_rollout_worker
         samples_left_at_stop = 0
-
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.rows, self.pending, self.order = kwargs["dataset"], [], None
+        pending: list[int] = []  # the untrained groups the resumed checkpoint left (_inner_training_loop)
 
         def start(self) -> None:
             # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
-            self.order = VisitOrder(self.rows, self.pending, self._loop_kwargs["dataset_start_index"])
-            self._loop_kwargs.update(dataset=self.order, dataset_start_index=0)
-            self._mp_ctx = rollout_child_context()  # TRL's queues and events are spawn's: a forkserver takes them too
+            kw = self._loop_kwargs
+            self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
+            kw.update(dataset=self.order, dataset_start_index=0)
             super().start()
 
         def check_health(self, stale_after_s: float) -> None:
@@ -2786,10 +2519,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             """Untrained visits and the next visit, for rollout_state.json: every group the trainer took but no
             optimizer step trained runs again (collated ahead, in a dropped step, stale), none that one trained does.
             A group that yielded no sample at all (every rollout failed) is done: rerunning it would fail again."""
-            worker = self.rollout_worker
-            order = worker.order or VisitOrder(worker.rows, worker.pending, worker._loop_kwargs["dataset_start_index"])
             seen = max(self._trained_groups, default=-1) + 1
-            return order.after(seen, self.trained_groups | accounting.unscorable_groups)
+            return self.rollout_worker.order.after(seen, self.trained_groups | accounting.unscorable_groups)
 
         def _inner_training_loop(self, *a, **kw):
             checkpoint = kw.get("resume_from_checkpoint")
@@ -2837,12 +2568,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 logs.update(accounting.step(self.state.global_step, stale))
             super().log(logs, start_time)
 
-    try:  # TRL's checks of field values (a scheduler's name, a combination): after the preflight, before any weights
-        config = trl_config(args)
-    except ValueError as exc:  # or of the machine (accelerate's device set-up runs in it): the message says which
-        given = ", ".join(f"--{name.replace('_', '-')}" for name in args.trl) or "none"
-        raise UsageError(f"AsyncGRPOConfig could not be built (TRL flags given: {given}): "
-                         f"{' '.join(str(exc).split())}") from None
+    config = args.config
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=config.trust_remote_code)
     dataset = Dataset.from_list(task_rows(tasks, split, args.harnesses))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -2880,9 +2606,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     rank = launch_rank()
-    if rank == 0 and not (args.check or args.measure):  # TRL runs rollouts on the main process only
-        rollout_child_context()  # its imports run beside the preflight's and the model load
-    share = join_ranks(collective_timeout_s(args)) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    share = join_ranks(args.ddp_timeout) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
     try:
         code, plan = None, {}
@@ -2899,11 +2623,9 @@ def main(argv: list[str] | None = None) -> int:
         if share is not None:
             code, plan, args.run_name, args.output_dir, args.harbor_url = share(
                 (code, plan, args.run_name, args.output_dir, args.harbor_url))
+            args.config.run_name, args.config.output_dir = args.run_name, args.output_dir
         if code is None:
             return run_measure(args, plan) if args.measure else train(args, plan, server)
-    except UsageError as exc:  # a value only AsyncGRPOConfig judges (build_trainer): the same on every rank
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
-        code = 2
     except KeyboardInterrupt:
         print(f"\n[harbor] interrupted; checkpoints so far are in {args.output_dir}", file=sys.stderr)
         return 130
@@ -2927,20 +2649,11 @@ def launch_rank() -> int:
 def join_ranks(timeout_s: int):
     """Under `accelerate launch` / torchrun: rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on
     the main process only); the others take its plan and run name, so N processes start one server and write one run.
-
-    Creates the process group accelerate and transformers then reuse, so its timeout is set here: once a group exists
-    they ignore TrainingArguments' ddp_timeout. Rank 0's preflight (a first dataset download) and its rollout waits
-    both outlast NCCL's default.
+    The process group exists already (HarborGRPOConfig, with this timeout); this adds one for Python objects.
     """
-    from datetime import timedelta
-
-    import torch
     import torch.distributed as dist
-    from accelerate import PartialState
 
-    timeout = timedelta(seconds=timeout_s)
-    PartialState(cpu=not torch.cuda.is_available(), timeout=timeout)  # accelerate's own choice of backend
-    group = dist.new_group(backend="gloo", timeout=timeout)  # for Python objects, whatever the main backend
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def share(payload):
         box = [payload]
@@ -2986,7 +2699,7 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
         "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
         "zero-variance groups": (f"kept out; stop after {args.max_zero_variance_groups} in a row"
                                  if args.max_zero_variance_groups else "trained (advantages 0)"),
-        "report to": f"{args.report_to} (project {args.project})",
+        "report to": f"{', '.join(args.report_to) or 'none'} (project {args.project})",
         # AsyncGRPOConfig fields set beyond the script's flags; transformers hides *_token fields the same way
         **{f"{k} (TRL)": f"<{k.upper()}>" if k.endswith("_token") else redact(str(v)) for k, v in args.trl.items()},
         **({"ranks": process_group_timeout()} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}),

@@ -156,7 +156,7 @@ def make_worker(rig: Rig, model_dir: Path, tasks: list, n: int):
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
     class Worker(HarnessRolloutWorker):
-        _loop_cls = script.harbor_rollout_loop()
+        _loop_cls = script.HarborRolloutLoop
         stop = script.stop_rollout_worker
         samples_left_at_stop = 0
 

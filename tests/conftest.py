@@ -181,6 +181,7 @@ def load_script():
     """The training script as a module of this process, for tests of its functions and of `main()` in-process."""
     spec = importlib.util.spec_from_file_location("async_grpo_harbor", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: dataclasses resolve the script's annotations through it
     spec.loader.exec_module(module)
     return module
 

@@ -22,7 +22,7 @@ def eval_args(rig: Rig, out, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def measured(eval_tier_rig, tmp_path_factory):
     work = tmp_path_factory.mktemp("eval")
-    proc = run_script(eval_args(eval_tier_rig, work / "out", "--curate"), cwd=work, PYTHONPROFILEIMPORTTIME="1")
+    proc = run_script(eval_args(eval_tier_rig, work / "out", "--curate"), cwd=work)
     rows = {r["task"]: r for r in csv.DictReader((work / "out" / "pass_rates.csv").open())}
     return proc, rows, work
 
@@ -46,15 +46,6 @@ def test_eval_only_counts_every_rollout_it_ran(measured):
     for task, row in rows.items():
         rewards = [r for _, name, r in ran if name == task]
         assert int(row["solved"]) == sum(r > 0 for r in rewards), task
-
-
-def test_eval_only_loads_no_torch_and_no_web_ui(measured):
-    proc, _, _ = measured
-    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "openenv.harbor.client" in imported, "PYTHONPROFILEIMPORTTIME had no effect"
-    assert not {"torch", "transformers", "trl"} & imported
-    # Python reports the blocked `import gradio` too, as it fails at once; a real import brings gradio.* with it.
-    assert not [name for name in imported if name.startswith("gradio.")]
 
 
 def test_curate_keeps_the_tasks_solved_sometimes(measured):

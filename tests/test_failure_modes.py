@@ -88,8 +88,7 @@ def test_a_stop_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, how):
         if how != "trainer-sigkill":
             assert "[harbor] stopped by SIGTERM: no optimizer step yet, nothing to save; exit code 75" in "".join(lines)
         if how == "process-group":
-            # The child's own exit code (128 + SIGTERM, after releasing its sessions), as the trainer saw it: the
-            # forkserver between them outlived the signal and reported it (one that died of it reports 255).
+            # The child's own exit code (128 + SIGTERM, after releasing its sessions), as the trainer saw it.
             assert re.search(r"rollout worker exited on its own in [\d.]+s \(exit code 143\)", "".join(lines)), \
                 "".join(lines)[-3000:]
         # multiprocessing's resource tracker ignores SIGTERM by design and leaves once its last user has gone; an

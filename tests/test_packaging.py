@@ -69,7 +69,7 @@ def canonical(name: str) -> str:
 def test_help_documents_every_flag():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    flags = set(re.findall(r"^  (--[\w-]+)", proc.stdout, re.M))
+    flags = set(re.findall(r"(?:^  |, )(--[\w-]+)", proc.stdout, re.M))
     for flag in ("--model", "--vllm-url", "--harbor-url", "--dataset", "--split", "--tasks", "--harness",
                  "--sandbox", "--reward-key", "--num-generations", "--max-inflight", "--max-staleness",
                  "--temperature", "--max-completion-length", "--agent-step-limit", "--agent-timeout",

@@ -29,7 +29,7 @@ def accelerate_state():
 def scoring_loop(max_zero_variance_groups: int = 100):
     """The script's loop class with the state its scoring reads; the rest of its __init__ (engine session, dataset,
     queues, thread pools) is not on the scoring path."""
-    loop = object.__new__(agh.harbor_rollout_loop())
+    loop = object.__new__(agh.HarborRolloutLoop)
     loop.reward_funcs, loop._env_reward_types, loop.reward_func_names = [], [], ["harness_reward"]
     loop.efficiency_weight, loop.max_zero_variance_groups, loop.flat_run = W, max_zero_variance_groups, []
     return loop

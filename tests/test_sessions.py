@@ -1,7 +1,5 @@
 """The session factory speaks the interfaces TRL's rollout worker drives: every abstract method of OpenEnv's
-`ResourceSession` and `ResourceSessionFactory`, with their parameters, and OpenEnv's `TrainableSession` protocol.
-The script implements them by shape, not by inheritance (importing `openenv.core` costs seconds), so a mismatch
-shows here."""
+`ResourceSession` and `ResourceSessionFactory`, with their parameters, and OpenEnv's `TrainableSession` protocol."""
 
 from __future__ import annotations
 
