@@ -639,13 +639,30 @@ class Failure(NamedTuple):
 SERVER_GONE = "server_unreachable"
 
 
+def agent_exit(r: HarborRolloutResult) -> str | None:
+    """How the agent ended, for a rollout the verifier scored: "ok", or the kind of the agent's failure ("timeout",
+    "nonzero_exit", or a subclass's name such as "api_error"). Harbor records an agent timeout or non-zero exit as the
+    trial's exception and runs the verifier anyway (harbor/trial/single_step.py); OpenEnv then reports ok=False with
+    the exception's type and the reward. Any other exception leaves no reward (the trial stopped before verifying)."""
+    if r.reward is None or not r.exception_type:
+        return "ok" if r.ok else None
+    kind = {"AgentTimeoutError": "timeout", "NonZeroAgentExitCodeError": "nonzero_exit"}.get(r.exception_type)
+    return kind or re.sub(r"(?<!^)(?=[A-Z])", "_", r.exception_type).lower()
+
+
 def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, reward_key: str) -> Failure | None:
     """Why a finished `run_rollout` cannot be trained on (None: it can). Training, --eval-only and the probe judge
-    every result here."""
+    every result here. A rollout whose agent timed out or exited non-zero is scored like any other when the verifier
+    scored it and its capture is valid: a policy that loops until --agent-timeout earns its reward, not a pass."""
     if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
         return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
                                      f"{', '.join(sorted(r.rewards))}")
-    if not r.ok:
+    exit_kind = agent_exit(r)
+    if exit_kind not in (None, "ok") and require_tokens and (r.atif == "MISMATCH" or not r.n_trainable_tokens):
+        # OpenEnv skips these two capture checks once the agent's failure has set ok=False (openenv/harbor/rollout.py).
+        return Failure("capture", f"the agent ended with {r.exception_type} and its capture is not trainable "
+                                  f"({'trace reconciliation MISMATCH' if r.atif == 'MISMATCH' else 'no trainable token'})")
+    if exit_kind is None:
         budget = next((x for x in r.findings if "context_budget_exhausted" in x), None)
         if budget and "no_turns" in (r.error or ""):
             # Seen on a real vLLM: it refuses a call whose prompt + max_tokens exceed its context (HTTP 400), the
@@ -1038,8 +1055,9 @@ class HarborSessionFactory:
         if failure is None:
             phases = "".join(f", {name} {seconds:.1f}s" for name, seconds in r.phase_timings.items())
             stops = f", {r.budget_stop_count} budget stops" if r.budget_stop_count else ""
+            ended = f", agent {agent_exit(r)}" if not r.ok else ""
             self._say(f"[harbor] {session.label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
-                      f"{session.harness}{phases}{stops}{retried}")
+                      f"{session.harness}{phases}{stops}{ended}{retried}")
         elif failure.kind != SERVER_GONE:  # that one is the run's, said once by the stop below
             self._say(f"[harbor] {session.label}: unscorable: {failure.message[:300]} (harness {session.harness}"
                       f"{retried})")
@@ -1067,6 +1085,8 @@ class HarborSessionFactory:
             "phases": dict(r.phase_timings) if r is not None else {},
             "error": failure.kind if failure else None, "failure": redact(failure.message[:300]) if failure else None,
             "started": session.started, "retries": session.retries,
+            "trial": (r.trial_name or None) if r is not None else None,
+            "exit": agent_exit(r) if r is not None and failure is None else None,
         }
         with self._lock, open(self.record_path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -2402,6 +2422,8 @@ class RolloutAccounting:
                    "harbor/not_trained/zero_variance_total": float(self.totals["zero_variance"]),
                    "harbor/not_trained/stale_or_pending_total": float(self._not_trained_other())}
         metrics |= {f"harbor/errors/{kind}": float(n) for kind, n in errors.items()}
+        metrics |= {f"harbor/agent_exits/{kind}": float(n) for kind, n in collections.Counter(
+            r.get("exit") for r in ok if r.get("exit") != "ok").items()}
         if tokens:
             metrics["harbor/trained/informative_token_frac"] = informative / tokens
         if scored_groups:
