@@ -308,7 +308,7 @@ def embedded(args: list[str], work: Path) -> tuple[list[str], dict[str, str]]:
 # harness installs itself from the network.
 HARNESSES = ["mini-swe-agent", "mini-swe-agent-twin"]
 EVAL_TASKS = ["echo-hello", "never"]
-EVAL_ARGS = ["--eval-tasks", ",".join(EVAL_TASKS), "--eval-k", "1", "--eval-steps", "2"]
+EVAL_ARGS = ["--eval-tasks", ",".join(EVAL_TASKS), "--eval-k", "1", "--eval-steps", "3"]
 
 
 @pytest.fixture(scope="session")
@@ -320,8 +320,8 @@ def trained(rig, tmp_path_factory):
     # One task whose groups never vary, kept out by the default filter, and three whose groups always do: a step's
     # micro-batch closes only when the next varied group arrives (one more is collated ahead), so each flat group
     # in the list delays the run by a group's rollouts.
-    # Held out: one task always solved, one never (an exact pass rate of 0.5), measured before training, at step 2
-    # and after the last.
+    # Held out: one task always solved, one never (an exact pass rate of 0.5), measured before training and at step 3
+    # (--eval-steps), which is also the last.
     args, env = embedded(default_filter(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1",
                                                    "--report-to", "trackio", "--project", "e2e", "--harness",
                                                    ",".join(HARNESSES), *EVAL_ARGS, tasks=E2E_TASKS)), work)

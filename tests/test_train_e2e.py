@@ -300,15 +300,16 @@ def test_held_out_tasks_are_measured_before_training_every_n_steps_and_at_the_en
     proc, out, _, _ = trained
     rows = list(csv.DictReader((out / "eval.csv").open()))
     assert list(rows[0]) == ["step", "task", "index", "harness", "k", "solved", "pass_rate", "mean_reward", "errors"]
-    # Before the first step, at --eval-steps 2, and after the last (3).
-    assert sorted({int(r["step"]) for r in rows}) == [0, 2, 3]
-    assert len(rows) == 3 * len(EVAL_TASKS) * len(HARNESSES)  # each task under each harness
+    # Before the first step and at --eval-steps 3, the last step, which is measured once.
+    assert sorted({int(r["step"]) for r in rows}) == [0, 3]
+    assert len(rows) == 2 * len(EVAL_TASKS) * len(HARNESSES)  # each task under each harness
     for r in rows:
         assert r["task"] in EVAL_TASKS and r["k"] == "1" and r["errors"] == "0", r
         assert float(r["pass_rate"]) == (1.0 if r["task"] == "echo-hello" else 0.0), r
     evals = [e for e in json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
              if "eval/pass_rate" in e]
-    assert [e["step"] for e in evals] == [0, 2] and all(e["eval/pass_rate"] == 0.5 for e in evals)
+    # Step 3's eval ran at the step's end, before its checkpoint was saved: every --eval-steps, not only at the end.
+    assert [e["step"] for e in evals] == [0, 3] and all(e["eval/pass_rate"] == 0.5 for e in evals)
     assert all(e["eval/echo-hello/pass_rate"] == 1.0 and e["eval/never/pass_rate"] == 0.0 for e in evals)
     assert all(e["eval/mean_reward"] == 0.5 for e in evals)
     assert re.search(r"\[harbor\] eval at step 0: pass rate 0\.50 \(2/4\) on 2 held-out tasks", proc.stdout)
