@@ -177,7 +177,16 @@ class ScriptArguments:
         False, "Measure instead of training: --eval-k rollouts per task (and per harness) at --temperature, through "
                "the same Harbor server, then write pass_rates.csv to the output dir. Needs no token ids from the "
                "engine, so a hosted model served by the Harbor server can be measured too.")
-    eval_k: int = arg(8, "Rollouts per task for --eval-only. The pass rate's standard error is sqrt(p(1-p)/k).")
+    eval_k: int = arg(8, "Rollouts per task for --eval-only and --eval-tasks. The pass rate's standard error is "
+                         "sqrt(p(1-p)/k).")
+    eval_tasks: str = arg(
+        "", "Held-out tasks measured during training (same syntax as --tasks; empty: none): --eval-k rollouts each at "
+            "--temperature, through the same Harbor server and sandbox, before the first optimizer step, every "
+            "--eval-steps and after the last; eval.csv in the output dir and eval/* in the log. Training waits while "
+            "it runs, so no weight push lands during an eval.")
+    allow_engine_mismatch: bool = arg(
+        False, "Train although the Harbor server reports another engine URL than --vllm-url (the same vLLM under "
+               "another name); otherwise the preflight FAILs: weights would go to an unused vLLM.")
     curate: str | None = arg(
         None, "Write a --tasks file of the learnable tasks (pass rate inside --band) from a pass_rates.csv; bare "
               "--curate measures first (as --eval-only). Prints how many tasks fall below, inside and above the "
@@ -228,6 +237,8 @@ class HarborGRPOConfig(AsyncGRPOConfig):
     learning_rate: float = arg(1e-6, "AdamW learning rate, constant: the number of rollouts per step varies with "
                                      "their length, so a decay horizon in steps means little.")
     max_steps: int = arg(500, "Optimizer steps to train; the run's only stop condition (tasks are cycled).")
+    eval_steps: float | None = arg(50, "Optimizer steps between held-out evals (--eval-tasks); 0: only before "
+                                       "training and after the last step.")
     output_dir: str = arg("", "Checkpoints and logs. Empty: runs/<run name>.")
     run_name: str = arg(
         "", "Empty: the --output-dir's name if given, else <model>-<harness>-<sandbox>-<SLURM_JOB_ID, else UTC time + "
@@ -345,11 +356,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
                 "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1,
                 "save_total_limit": 0, "eval_k": 1, "max_staleness": 0, "agent_timeout": 0, "harbor_retry_window": 0,
-                "max_zero_variance_groups": 0}
+                "max_zero_variance_groups": 0, "eval_steps": 0}
     for name, low in positive.items():
         if (getattr(args, name) or 0) < low:  # save_total_limit may be None (TRL's `none`): keep all, as 0
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
     args.measure = args.eval_only or args.curate == ""
+    args.eval_steps = int(args.eval_steps)
+    strategy = args.trl.get("eval_strategy", "no")
+    if str(getattr(strategy, "value", strategy)) != "no":
+        raise UsageError(f"--eval-strategy {getattr(strategy, 'value', strategy)}: AsyncGRPOTrainer takes no eval "
+                         "dataset; measure held-out Harbor tasks during training with --eval-tasks SPEC --eval-steps N "
+                         "--eval-k K")
     args.harnesses = [name.strip() for name in args.harness.split(",") if name.strip()]
     if not args.harnesses:
         raise UsageError("--harness is empty; name one, e.g. mini-swe-agent, or several: mini-swe-agent,terminus-2")
@@ -518,13 +535,30 @@ class Failure(NamedTuple):
 SERVER_GONE = "server_unreachable"
 
 
+def agent_exit(r: HarborRolloutResult) -> str | None:
+    """How the agent ended, for a rollout the verifier scored: "ok", or the kind of the agent's failure ("timeout",
+    "nonzero_exit", or a subclass's name such as "api_error"). Harbor records an agent timeout or non-zero exit as the
+    trial's exception and runs the verifier anyway (harbor/trial/single_step.py); OpenEnv then reports ok=False with
+    the exception's type and the reward. Any other exception leaves no reward (the trial stopped before verifying)."""
+    if r.reward is None or not r.exception_type:
+        return "ok" if r.ok else None
+    kind = {"AgentTimeoutError": "timeout", "NonZeroAgentExitCodeError": "nonzero_exit"}.get(r.exception_type)
+    return kind or re.sub(r"(?<!^)(?=[A-Z])", "_", r.exception_type).lower()
+
+
 def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, reward_key: str) -> Failure | None:
     """Why a finished `run_rollout` cannot be trained on (None: it can). Training, --eval-only and the probe judge
-    every result here."""
+    every result here. A rollout whose agent timed out or exited non-zero is scored like any other when the verifier
+    scored it and its capture is valid: a policy that loops until --agent-timeout earns its reward, not a pass."""
     if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
         return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
                                      f"{', '.join(sorted(r.rewards))}")
-    if not r.ok:
+    exit_kind = agent_exit(r)
+    if exit_kind not in (None, "ok") and require_tokens and (r.atif == "MISMATCH" or not r.n_trainable_tokens):
+        # OpenEnv skips these two capture checks once the agent's failure has set ok=False (openenv/harbor/rollout.py).
+        why = "trace reconciliation MISMATCH" if r.atif == "MISMATCH" else "no trainable token"
+        return Failure("capture", f"the agent ended with {r.exception_type} and its capture is not trainable ({why})")
+    if exit_kind is None:
         budget = next((x for x in r.findings if "context_budget_exhausted" in x), None)
         if budget and "no_turns" in (r.error or ""):
             # Seen on a real vLLM: it refuses a call whose prompt + max_tokens exceed its context (HTTP 400), the
@@ -703,7 +737,7 @@ class HarborSession(ResourceSession):
         self.task_name = prompt[0]["harbor_task_name"]
         self.harness = prompt[0].get("harbor_harness") or factory.harness
         self.group = group
-        self.label = f"group {group} task {self._task_index} ({self.task_name})"
+        self.label = f"{factory.label} {group} task {self._task_index} ({self.task_name})"
         self.score: RolloutScore | None = None
         self._client = HarborServerSession(factory.harbor_url, factory.request_timeout_s)
         self.result: HarborRolloutResult | None = None
@@ -815,7 +849,7 @@ class HarborSessionFactory(ResourceSessionFactory):
     def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
                  agent_timeout_s: float, max_consecutive_failures: int, retry_window_s: float = 300.0,
                  sampling: dict[str, Any] | None = None, require_tokens: bool = True, record_path: str = "",
-                 reward_fn: Any = None, eval_sampling: dict[str, Any] | None = None):
+                 reward_fn: Any = None, eval_sampling: dict[str, Any] | None = None, label: str = "group"):
         self.harbor_url, self.harness, self.sandbox, self.reward_key = harbor_url, harness, sandbox, reward_key
         self.agent_step_limit, self.agent_timeout_s = agent_step_limit, agent_timeout_s
         self.request_timeout_s, self.retry_window_s = rollout_budget_s(agent_timeout_s), retry_window_s
@@ -824,6 +858,7 @@ class HarborSessionFactory(ResourceSessionFactory):
         # False for --eval-only: a rollout of an engine without token ids is measurable, just not trainable.
         self.require_tokens = require_tokens
         self.eval_sampling = dict(eval_sampling or {})
+        self.label = label  # what a rollout's console line calls its unit: a training group, a held-out eval's task
         # One JSON line per finished rollout, for the trainer's accounting and for the user to read.
         self.record_path = record_path
         self._lock = threading.Lock()
@@ -910,8 +945,9 @@ class HarborSessionFactory(ResourceSessionFactory):
         if failure is None:
             phases = "".join(f", {name} {seconds:.1f}s" for name, seconds in r.phase_timings.items())
             stops = f", {r.budget_stop_count} budget stops" if r.budget_stop_count else ""
+            ended = f", agent {agent_exit(r)}" if not r.ok else ""
             self._say(f"[harbor] {session.label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
-                      f"{session.harness}{phases}{stops}{retried}")
+                      f"{session.harness}{phases}{stops}{ended}{retried}")
         elif failure.kind != SERVER_GONE:  # that one is the run's, said once by the stop below
             self._say(f"[harbor] {session.label}: unscorable: {failure.message[:300]} (harness {session.harness}"
                       f"{retried})")
@@ -939,6 +975,8 @@ class HarborSessionFactory(ResourceSessionFactory):
             "phases": dict(r.phase_timings) if r is not None else {},
             "error": failure.kind if failure else None, "failure": redact(failure.message[:300]) if failure else None,
             "started": session.started, "retries": session.retries,
+            "trial": (r.trial_name or None) if r is not None else None,
+            "exit": agent_exit(r) if r is not None and failure is None else None,
         }
         with self._lock, open(self.record_path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -1608,15 +1646,18 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
                "--return-tokens-as-token-ids and --logprobs-mode processed_logprobs",
                "restart vLLM with those flags, then the Harbor server")
     elif endpoint(llm.get("url", "")) != endpoint(args.vllm_url):
-        pf.add("server's engine", WARN, f"the Harbor server samples from {llm.get('url')} but weights go to "
-               f"{args.vllm_url}: if they are not the same server, training is off-policy",
-               "point both at the same vLLM")
+        pf.add("server's engine", WARN if args.allow_engine_mismatch else FAIL, f"the Harbor server samples from "
+               f"{llm.get('url')} but weights go to {args.vllm_url}: unless they are the same vLLM, no rollout uses "
+               "the trained weights", "point both at the same vLLM, or pass --allow-engine-mismatch if they are")
     else:
         pf.add("server's engine", PASS, f"{llm.get('url')}: tokens, the vLLM the trainer updates")
 
+    # Held-out evals run beside training's rollouts, each with up to --max-inflight at once.
+    needed = args.max_inflight * (2 if args.eval_tasks and not args.measure else 1)
     try:
-        check_session_capacity(args.harbor_url, args.max_inflight)
-        pf.add("session slots", PASS, f">= {args.max_inflight} free (--max-inflight)")
+        check_session_capacity(args.harbor_url, needed)
+        pf.add("session slots", PASS, f">= {needed} free (--max-inflight"
+               f"{', twice: --eval-tasks' if needed > args.max_inflight else ''})")
     except UsageError as exc:
         pf.add("session slots", FAIL, str(exc))
     return splits, caps.get("llm") or {}
@@ -1727,6 +1768,14 @@ def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborSer
     if chosen is None:
         return plan
     plan["split"], plan["tasks"] = chosen
+    if args.eval_tasks and not args.measure:
+        try:
+            plan["eval_tasks"] = resolve_tasks(read_task_spec(args.eval_tasks),
+                                               fetch_catalogue(args.harbor_url, plan["split"]))
+            pf.add("eval tasks", PASS, f"{len(plan['eval_tasks'])} held out, {args.eval_k} rollouts each, before "
+                   f"training{f', every {args.eval_steps} steps' if args.eval_steps else ''} and after the last step")
+        except UsageError as exc:
+            pf.add("eval tasks", FAIL, str(exc).replace("--tasks", "--eval-tasks", 1))
     check_reward(args, pf, plan["split"], plan["tasks"][0])
     return plan
 
@@ -1739,8 +1788,8 @@ def check_session_capacity(harbor_url: str, needed: int) -> None:
             session.open()
     except (OSError, RuntimeError) as exc:
         raise UsageError(f"the Harbor server has only {opened} free session slots of the {needed} that "
-                         f"--max-inflight needs ({exc}); restart it with MAX_CONCURRENT_ENVS={2 * needed} (twice "
-                         "--max-inflight leaves room for a previous run's sessions)") from None
+                         f"--max-inflight (x2 with --eval-tasks) needs ({exc}); restart it with MAX_CONCURRENT_ENVS="
+                         f"{2 * needed} (twice that leaves room for a previous run's sessions)") from None
     finally:
         for session in sessions:
             session.close()
@@ -1816,7 +1865,7 @@ PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass
 
 
 def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
-                       llm: dict[str, Any]) -> list[dict[str, Any]]:
+                       llm: dict[str, Any], label: str = "group") -> list[dict[str, Any]]:
     """--eval-k rollouts of every task (under every harness), through the session code training uses.
 
     A rollout is solved when the verifier's reward (after --reward-key) is > 0, as OpenEnv's `result.solved` reads
@@ -1834,7 +1883,7 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
         **session_settings(args), sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
         # A token-capturing engine samples exactly as in training; any other (a hosted model) at the same temperature.
         eval_sampling=None if llm.get("capture_level") == "tokens" else {"temperature": args.temperature, "top_p": 1.0},
-        record_path=os.path.join(args.output_dir, "eval_rollouts.jsonl"))
+        record_path=os.path.join(args.output_dir, "eval_rollouts.jsonl"), label=label)
     units = task_rows(tasks, split, args.harnesses)
     outcomes: list[list[HarborSession]] = [[] for _ in units]
     progress = tqdm(total=len(units) * args.eval_k, unit="rollout", dynamic_ncols=True, file=sys.stderr)
@@ -1904,13 +1953,37 @@ def pass_rate_row(prompt: dict[str, Any], sandbox: str, sessions: list[HarborSes
             "errors": len(sessions) - len(scored)}
 
 
-def write_pass_rates(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_pass_rates(path: Path, rows: list[dict[str, Any]], columns: list[str] = PASS_RATE_COLUMNS,
+                     append: bool = False) -> None:
     import csv
 
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=PASS_RATE_COLUMNS)
-        writer.writeheader()
+    new = not (append and path.is_file())
+    with open(path, "w" if new else "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        if new:
+            writer.writeheader()
         writer.writerows(rows)
+
+
+EVAL_COLUMNS = ["step", "task", "index", "harness", "k", "solved", "pass_rate", "mean_reward", "errors"]
+
+
+def held_out_eval(args: argparse.Namespace, plan: dict[str, Any], step: int) -> dict[str, float]:
+    """--eval-tasks: measure_pass_rates over the held-out tasks, on the weights of optimizer step `step` (0: before
+    training), appended to <output dir>/eval.csv; returns the eval/* figures to log."""
+    rows = measure_pass_rates(args, plan["split"], plan["eval_tasks"], plan["llm"], label="held-out eval")
+    write_pass_rates(Path(args.output_dir) / "eval.csv", [{"step": step, **r} for r in rows], EVAL_COLUMNS,
+                     append=True)
+    scored = sum(r["k"] - r["errors"] for r in rows)
+    solved = sum(r["solved"] for r in rows)
+    metrics = {f"eval/{task}/pass_rate": rate for task, rate in pass_rates_by_task(rows).items() if rate is not None}
+    if scored:
+        metrics["eval/pass_rate"] = solved / scored
+        metrics["eval/mean_reward"] = sum(r["mean_reward"] * (r["k"] - r["errors"]) for r in rows
+                                          if r["k"] > r["errors"]) / scored
+    say(f"[harbor] eval at step {step}: pass rate {f'{solved / scored:.2f}' if scored else '-'} ({solved}/{scored}) "
+        f"on {len(plan['eval_tasks'])} held-out tasks, {sum(r['errors'] for r in rows)} errors (eval.csv)")
+    return metrics
 
 
 def read_pass_rates(path: str) -> list[dict[str, Any]]:
@@ -2086,7 +2159,7 @@ class RolloutAccounting:
     """
 
     def __init__(self, path: str, num_generations: int, harnesses: list[str], efficiency_weight: float,
-                 keep_out_zero_variance: bool):
+                 keep_out_zero_variance: bool, groups_per_pass: int):
         self.path, self.num_generations, self.harnesses = Path(path), num_generations, harnesses
         self.efficiency_weight, self.keep_out = efficiency_weight, keep_out_zero_variance
         self.offset = self.path.stat().st_size if self.path.is_file() else 0
@@ -2100,6 +2173,9 @@ class RolloutAccounting:
         self.collated: collections.deque = collections.deque()  # (samples per group, loss tokens, informative ones)
         self.step_batches: list[tuple[collections.Counter, int, int]] = []
         self.totals = collections.Counter()
+        # Solve rate of a full pass over the task list: the last `groups_per_pass` groups to finish, once they have.
+        self.groups_per_pass, self.this_pass, self.pass_rate = groups_per_pass, [0, 0], None
+        self.groups_done = 0
 
     def collate_with(self, collate: Any) -> Any:
         def counted(examples):
@@ -2134,6 +2210,12 @@ class RolloutAccounting:
             if len(members) < self.num_generations:
                 continue
             del self.pending[record["group"]]
+            self.groups_done += 1
+            self.this_pass[0] += sum(m["error"] is None and m["reward"] > 0 for m in members)
+            self.this_pass[1] += sum(m["error"] is None for m in members)
+            if self.groups_done % self.groups_per_pass == 0:
+                self.pass_rate = self.this_pass[0] / self.this_pass[1] if self.this_pass[1] else None
+                self.this_pass = [0, 0]
             scores = [RolloutScore(m["reward"], m["efficiency"] or 0.0) if m["error"] is None else None
                       for m in members]
             rewards = shape_group_rewards(scores, self.efficiency_weight)
@@ -2193,8 +2275,15 @@ class RolloutAccounting:
                    "harbor/not_trained/zero_variance_total": float(self.totals["zero_variance"]),
                    "harbor/not_trained/stale_or_pending_total": float(self._not_trained_other())}
         metrics |= {f"harbor/errors/{kind}": float(n) for kind, n in errors.items()}
+        metrics |= {f"harbor/agent_exits/{kind}": float(n) for kind, n in collections.Counter(
+            r.get("exit") for r in ok if r.get("exit") != "ok").items()}
         if tokens:
             metrics["harbor/trained/informative_token_frac"] = informative / tokens
+        solved = sum(r["reward"] > 0 for r in ok)
+        if ok:
+            metrics["harbor/solve_rate"] = solved / len(ok)
+        if self.pass_rate is not None:
+            metrics["harbor/solve_rate_pass"] = self.pass_rate
         if scored_groups:
             metrics["harbor/zero_variance_frac"] = len(zero_groups) / len(scored_groups)
         if self.groups_total:
@@ -2225,25 +2314,31 @@ class RolloutAccounting:
               f"({','.join(map(str, scored_groups)) or '-'}), {len(zero_groups)} zero-variance "
               f"({','.join(map(str, zero_groups)) or '-'}) = {share}; cumulative {self.zero_total}/{self.groups_total} "
               f"= {total}; {len(records)} rollouts ({metrics['harbor/rollouts_per_min']:.1f}/min), sandbox "
-              f"{metrics['harbor/sandbox_s_per_step']:.0f}s, errors {sum(errors.values())}"
+              f"{metrics['harbor/sandbox_s_per_step']:.0f}s, solve rate "
+              f"{f'{solved / len(ok):.2f}' if ok else '-'} ({solved}/{len(ok)}), errors {sum(errors.values())}"
               + "".join(f" {kind}={n}" for kind, n in errors.items())
               + f"; trained {len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, "
               f"{tokens} tokens{signal}", flush=True)
         return metrics
 
-    def finish(self, queued_samples: int) -> None:
+    def finish(self, queued_samples: int, held_out: dict[int, float | None]) -> None:
         """The run's totals, once TRL's rollout child has stopped: produced, trained, and why the rest was not."""
         records = self._new_records()
         self._fold_records(records)
         self.totals.update(produced=len(records), unscorable=sum(r["error"] is not None for r in records))
         t = self.totals
+
+        def rate(step: int) -> str:
+            return f"{'-' if held_out[step] is None else f'{held_out[step]:.2f}'} (step {step})"
+
         signal = (f", {t['informative_tokens'] / t['trained_tokens']:.0%} with a non-zero advantage"
                   if t["trained_tokens"] else "")
         print(f"[harbor] rollouts: {t['produced']} finished; {t['trained']} reached the loss "
               f"({len(self.trained_groups)} groups, {t['trained_tokens']} tokens{signal}); not trained: "
               f"{t['unscorable']} unscorable, {t['zero_variance']} in zero-variance groups (kept out), "
               f"{self._not_trained_other()} dropped as stale or left at the stop ({t['stale_samples']} stale samples, "
-              f"{queued_samples} samples still queued, {len(self.collated)} micro-batches collated but not trained)",
+              f"{queued_samples} samples still queued, {len(self.collated)} micro-batches collated but not trained)"
+              + (f"; held-out pass rate {rate(min(held_out))} -> {rate(max(held_out))}" if held_out else ""),
               flush=True)
 
 
@@ -2436,10 +2531,11 @@ def stop_batch_on_preempt(batches, num_processes: int):
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
-def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]]):
+def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
+                  plan: dict[str, Any] | None = None):
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, Trainer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     class HarborRolloutWorker(HarnessRolloutWorker):
@@ -2475,6 +2571,34 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 trainer.stop_agreed = True
                 control.should_save = True
                 control.should_training_stop = True
+
+    class HeldOutEval(TrainerCallback):
+        """--eval-tasks on rank 0, before the first step, every --eval-steps and after the last. It runs inside the
+        step's end, after TRL's callback pushed that step's weights and before the next step can push again: every
+        eval rollout samples the weights of the step it is logged at (with --weight-sync-steps 1, TRL's default)."""
+
+        def __init__(self, trainer):
+            self.trainer, self.done = trainer, {}  # step -> eval/pass_rate (None: nothing scored)
+
+        def run(self, step: int, control) -> None:
+            if not self.trainer.accelerator.is_main_process or step in self.done:
+                return
+            metrics = held_out_eval(args, plan, step)
+            self.done[step] = metrics.get("eval/pass_rate")
+            should_log = control.should_log  # on_log clears it, which would drop the step's own log line
+            Trainer.log(self.trainer, metrics)  # transformers' own: TRL's log() would take the step's metrics too
+            control.should_log = should_log
+
+        def on_train_begin(self, _args, state, control, **_kwargs):
+            self.run(state.global_step, control)
+
+        def on_step_end(self, _args, state, control, **_kwargs):
+            if args.eval_steps and state.global_step % args.eval_steps == 0:
+                self.run(state.global_step, control)
+
+        def on_train_end(self, _args, state, control, **_kwargs):
+            if not self.trainer.stop_agreed:
+                self.run(state.global_step, control)
 
     class HarborGRPOTrainer(AsyncGRPOTrainer):
         _staging_dir: str | None = None
@@ -2531,7 +2655,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 return super()._inner_training_loop(*a, **kw)
             finally:  # TRL's own `finally` has stopped the rollout child by now
                 if self.accelerator.is_main_process:
-                    accounting.finish(self.rollout_worker.samples_left_at_stop)
+                    accounting.finish(self.rollout_worker.samples_left_at_stop, getattr(self, "held_out", {}))
 
         def _get_output_dir(self, trial):
             # transformers and TRL write a checkpoint file by file into <output dir>/checkpoint-N; pointing them at a
@@ -2574,7 +2698,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     records = os.path.join(args.output_dir, "rollouts.jsonl")
     accounting = RolloutAccounting(records, args.num_generations, args.harnesses,
-                                   args.efficiency_weight, keep_out_zero_variance=args.max_zero_variance_groups > 0)
+                                   args.efficiency_weight, keep_out_zero_variance=args.max_zero_variance_groups > 0,
+                                   groups_per_pass=len(dataset))
     reward_fn = functools.partial(harbor_reward, step_limit=args.agent_step_limit)
     worker = HarborRolloutWorker(
         model_name=args.model, dataset=dataset, reward_funcs=[],
@@ -2590,6 +2715,10 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
                                 rollout_worker=worker)
     trainer.add_callback(StopAtStepEnd(trainer))
+    if plan and plan.get("eval_tasks"):
+        held_out = HeldOutEval(trainer)
+        trainer.held_out = held_out.done
+        trainer.add_callback(held_out)
     return trainer
 
 
@@ -2709,7 +2838,7 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
 def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
     if launch_rank() == 0:
         print_hyperparameters(args, plan, server)
-    trainer = build_trainer(args, plan["split"], plan["tasks"])
+    trainer = build_trainer(args, plan["split"], plan["tasks"], plan)
     STOP.deferred = True
     try:
         trainer.train(resume_from_checkpoint=plan["resume"])

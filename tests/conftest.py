@@ -308,6 +308,8 @@ def embedded(args: list[str], work: Path) -> tuple[list[str], dict[str, str]]:
 # The rig's second harness is mini-swe-agent again under another name (tests/rig/harbor_server.py): every other
 # harness installs itself from the network.
 HARNESSES = ["mini-swe-agent", "mini-swe-agent-twin"]
+EVAL_TASKS = ["echo-hello", "never"]
+EVAL_ARGS = ["--eval-tasks", ",".join(EVAL_TASKS), "--eval-k", "1", "--eval-steps", "3"]
 
 
 @pytest.fixture(scope="session")
@@ -319,9 +321,11 @@ def trained(rig, tmp_path_factory):
     # One task whose groups never vary, kept out by the default filter, and three whose groups always do: a step's
     # micro-batch closes only when the next varied group arrives (one more is collated ahead), so each flat group
     # in the list delays the run by a group's rollouts.
+    # Held out: one task always solved, one never (an exact pass rate of 0.5), measured before training and at step 3
+    # (--eval-steps), which is also the last.
     args, env = embedded(default_filter(train_args(rig, work / "out", "--max-steps", "3", "--save-steps", "1",
                                                    "--report-to", "trackio", "--project", "e2e", "--harness",
-                                                   ",".join(HARNESSES), tasks=E2E_TASKS)), work)
+                                                   ",".join(HARNESSES), *EVAL_ARGS, tasks=E2E_TASKS)), work)
     proc = run_script(args, cwd=work, HF_HOME=str(work / "hf"), TRACKIO_DIR=str(work / "trackio"), **SECRETS, **env)
     # What the engine was asked during this run alone: later tests share the engine.
     return proc, work / "out", rig, (rig.engine_stats()["chat"][chats:], started)

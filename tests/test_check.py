@@ -292,3 +292,14 @@ def test_under_a_multi_process_launch_rank_0_alone_checks_and_starts_the_server(
     assert [proc.returncode for proc in ranks] == [0, 0], outputs
     assert "PASS  Harbor server" in outputs[0] and "preflight" not in outputs[1], outputs
     assert len(list(tmp_path.glob("runs/*/harbor_server.log"))) == 1
+
+
+def test_a_server_sampling_from_another_engine_fails_unless_allowed(rig, tmp_path):
+    # Weights pushed into a vLLM no rollout uses would train nothing: the same engine under another name (localhost
+    # for 127.0.0.1) is indistinguishable from another engine, so it takes an explicit flag.
+    args = [*rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--check"]
+    args[args.index("--vllm-url") + 1] = rig.engine_url.replace("127.0.0.1", "localhost")
+    refused_with(run_main(args, cwd=tmp_path), "server's engine", "--allow-engine-mismatch")
+    proc = run_main([*args, "--allow-engine-mismatch"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert table(proc.stdout)["server's engine"][0] == "WARN"

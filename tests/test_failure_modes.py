@@ -223,3 +223,34 @@ def test_a_harbor_server_restart_loses_no_rollout_and_a_dead_one_ends_the_run_in
     last = out / f"checkpoint-{max(saved, steps_saved())}"
     assert agh.checkpoint_problem(last) is None
     assert AutoModelForCausalLM.from_pretrained(last).num_parameters() > 0
+
+
+def test_an_agent_that_times_out_or_exits_is_scored_by_its_verifier(rig, tmp_path):
+    # Harbor runs the verifier after an agent timeout or a non-zero agent exit: the answer the agent wrote on its first
+    # turn is scored, and the rollout trains like any other (a policy that loops must not leave the GRPO baseline).
+    # The engine answers, then hangs (coin) or kills its own agent (coin2). --max-consecutive-failures 1: not one of
+    # these rollouts may count as a failure.
+    out = tmp_path / "out"
+    post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "agent_end": {"coin": "hang", "coin2": "exit"}})
+    try:
+        proc = run_script(train_args(rig, out, "--tasks", "coin,coin2", "--max-steps", "1", "--agent-timeout", "40",
+                                     "--max-consecutive-failures", "1"), cwd=tmp_path, timeout=900)
+    finally:
+        post_json(f"{rig.engine_url}/stand_in/policy", POLICY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    for task, kind in (("coin", "timeout"), ("coin2", "nonzero_exit")):
+        mine = [r for r in records if r["task"] == task]
+        assert mine and all(r["exit"] == kind and r["error"] is None for r in mine), mine
+        # Both verdicts of the exact-rate engine: the verifier read what the agent wrote before it hung or died.
+        assert {r["reward"] for r in mine} == {0.0, 1.0}, mine
+    # Each rollout names its Harbor trial, whose own record says how the agent ended.
+    for r in records:
+        result = json.loads((rig.workdir / "trials" / r["trial"] / "result.json").read_text())
+        assert result["exception_info"]["exception_type"] in ("AgentTimeoutError", "NonZeroAgentExitCodeError"), r
+    assert re.search(r"\[harbor\] group \d+ task \d+ \(coin\): reward [\d.]+ in \d+ turns, .*, agent timeout",
+                     proc.stdout)
+    logged = log_history(out)[0]
+    assert logged["harbor/errors"] == 0 and logged["rollout/correctness_mean"] is not None
+    assert sum(v for k, v in logged.items() if k.startswith("harbor/agent_exits/")) == logged["harbor/rollouts"]
+    assert_all_slots_free(rig)

@@ -71,6 +71,10 @@ def test_unreachable_harbor_server(rig, tmp_path):
     (["--output-dir", "/proc/agh-out"], ["cannot write to /proc/agh-out", "writable --output-dir"]),
     (["--max-inflight", "9", "--num-generations", "2"], ["only 8 free session slots of the 9",
                                                          "MAX_CONCURRENT_ENVS=18"]),
+    # Held-out evals run beside training, with as many rollouts in flight: the server must hold both.
+    (["--max-inflight", "5", "--num-generations", "2", "--eval-tasks", "coin"], ["only 8 free session slots of the 10",
+                                                                                "MAX_CONCURRENT_ENVS=20"]),
+    (["--tasks", "coin", "--eval-tasks", "coin,coin3"], ["--eval-tasks: no task named 'coin3'", "did you mean coin"]),
 ])
 def test_unknown_names_are_refused_with_the_valid_ones(rig, tmp_path, args, needles):
     assert_refused(run_main([*rig.base_args(), *args], cwd=tmp_path), *needles)
@@ -134,6 +138,8 @@ def test_a_value_only_trls_config_refuses_is_one_line_on_every_rank_before_any_w
     (["--config", "bad.yaml"], ["--config bad.yaml: unknown key(s) agent_steps_limit"]),
     (["--gradient-accumulation-steps", "2"], ["--gradient-accumulation-steps 2", "from --micro-batches-per-step"]),
     (["--top-p", "0.9"], ["--top-p 0.9", "sets it to 1.0: the full vocabulary"]),
+    # TRL's evaluation loop needs an eval dataset AsyncGRPOTrainer does not take: refused before any weights load.
+    (["--eval-strategy", "steps"], ["--eval-strategy steps", "--eval-tasks SPEC --eval-steps N --eval-k K"]),
 ])
 def test_trl_fields_and_recipes_are_refused_like_the_scripts_flags(tmp_path, args, needles):
     (tmp_path / "bad.yaml").write_text("learning_rate: 2.0e-6\nagent_steps_limit: 20\n")

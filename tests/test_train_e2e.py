@@ -6,6 +6,7 @@ compare like with like, and the run's accounting is split per harness."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -14,8 +15,9 @@ from collections import defaultdict
 from datetime import datetime
 
 import pytest
-from conftest import (E2E_TASKS, GENERATIONS, HARNESSES, MAX_MODEL_LEN, SECRETS, TASKS, assert_all_slots_free,
-                      default_filter, log_history, rollouts, run_main, run_script, train_args)
+from conftest import (E2E_TASKS, EVAL_TASKS, GENERATIONS, HARNESSES, MAX_MODEL_LEN, SECRETS, TASKS,
+                      assert_all_slots_free, default_filter, load_script, log_history, rollouts, run_main, run_script,
+                      train_args)
 from safetensors.torch import load_file
 from test_refusals import assert_refused
 
@@ -242,3 +244,76 @@ def test_each_group_runs_one_harness_and_metrics_are_split_per_harness(trained):
 def test_every_harness_in_the_list_is_checked(rig, tmp_path):
     proc = run_main([*rig.base_args(), "--harness", "mini-swe-agent,mini-swe-agnt", "--tasks", TASKS], cwd=tmp_path)
     assert_refused(proc, "unknown harness 'mini-swe-agnt'")
+
+
+SOLVE_RATE = re.compile(r"\[harbor\] step (\d+): .*, solve rate ([\d.]+|-) \((\d+)/(\d+)\)")
+
+
+def test_each_step_shows_the_solve_rate_of_the_rollouts_it_scored(trained):
+    # Over every scored rollout that finished since the previous step, as rollouts.jsonl holds them.
+    proc, out, _, _ = trained
+    history = {e["step"]: e for e in log_history(out)}
+    steps = SOLVE_RATE.findall(proc.stdout)
+    assert [int(s[0]) for s in steps] == [1, 2, 3], proc.stdout[-3000:]
+    for step, rate, solved, scored in steps:
+        logged = history[int(step)]
+        assert int(scored) == logged["harbor/rollouts"] - logged["harbor/errors"]
+        assert logged.get("harbor/solve_rate") == (int(solved) / int(scored) if int(scored) else None)
+        assert rate == (f"{int(solved) / int(scored):.2f}" if int(scored) else "-")
+    records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert sum(int(s[2]) for s in steps) <= sum(r["reward"] > 0 for r in records if r["reward"] is not None)
+    # Every rollout names its Harbor trial (the server's own record of it) and how its agent ended.
+    assert all((out.parent / "trials" / r["trial"] / "result.json").is_file() and r["exit"] == "ok" for r in records)
+
+
+def test_solve_rate_per_pass_over_the_task_list():
+    # Two tasks of two rollouts: a pass is two whole groups, whatever steps they straddle; unscorable rollouts are
+    # left out of it, as of a GRPO baseline.
+    import tempfile
+
+    agh = load_script()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/rollouts.jsonl"
+        accounting = agh.RolloutAccounting(path, 2, ["h"], 0.0, keep_out_zero_variance=True, groups_per_pass=2)
+
+        def finish(group, *rewards):
+            with open(path, "a") as f:
+                for reward in rewards:
+                    f.write(json.dumps({"group": group, "harness": "h", "reward": reward, "efficiency": 0.0,
+                                        "error": None if reward is not None else "capture", "wall_s": 1.0,
+                                        "turns": 1, "budget_stops": 0, "phases": {}}) + "\n")
+
+        finish(0, 1.0, 0.0)
+        finish(1, 1.0)
+        first = accounting.step(1)
+        finish(1, None)
+        second = accounting.step(2)
+        finish(2, 0.0, 0.0)
+        finish(3, 1.0, 1.0)
+        third = accounting.step(3)
+    assert "harbor/solve_rate_pass" not in first and first["harbor/solve_rate"] == 2 / 3
+    assert second["harbor/solve_rate_pass"] == 2 / 3 and "harbor/solve_rate" not in second
+    assert third["harbor/solve_rate_pass"] == 2 / 4 and third["harbor/solve_rate"] == 2 / 4
+
+
+def test_held_out_tasks_are_measured_before_training_every_n_steps_and_at_the_end(trained):
+    proc, out, _, _ = trained
+    rows = list(csv.DictReader((out / "eval.csv").open()))
+    assert list(rows[0]) == ["step", "task", "index", "harness", "k", "solved", "pass_rate", "mean_reward", "errors"]
+    # Before the first step and at --eval-steps 3, the last step, which is measured once.
+    assert sorted({int(r["step"]) for r in rows}) == [0, 3]
+    assert len(rows) == 2 * len(EVAL_TASKS) * len(HARNESSES)  # each task under each harness
+    for r in rows:
+        assert r["task"] in EVAL_TASKS and r["k"] == "1" and r["errors"] == "0", r
+        assert float(r["pass_rate"]) == (1.0 if r["task"] == "echo-hello" else 0.0), r
+    evals = [e for e in json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
+             if "eval/pass_rate" in e]
+    # Step 3's eval ran at the step's end, before its checkpoint was saved: every --eval-steps, not only at the end.
+    assert [e["step"] for e in evals] == [0, 3] and all(e["eval/pass_rate"] == 0.5 for e in evals)
+    assert all(e["eval/echo-hello/pass_rate"] == 1.0 and e["eval/never/pass_rate"] == 0.0 for e in evals)
+    assert all(e["eval/mean_reward"] == 0.5 for e in evals)
+    assert re.search(r"\[harbor\] eval at step 0: pass rate 0\.50 \(2/4\) on 2 held-out tasks", proc.stdout)
+    assert "; held-out pass rate 0.50 (step 0) -> 0.50 (step 3)" in proc.stdout
+    # Held-out rollouts never reach training's record.
+    records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert not {r["task"] for r in records} & set(EVAL_TASKS) - set(E2E_TASKS.split(","))

@@ -35,8 +35,11 @@ Policy (`--policy`, JSON; every key optional):
      "wrong_answer": "wrong",                                    # what failing writes
      "score_temperature_offset": 0.3,  # logprobs scored at T + 0.3: an engine that reports another policy than
                                        # the one it sampled from
-     "hold_from_weight_version": 3}  # from the 3rd weight load on, chat requests wait until a policy without
+     "hold_from_weight_version": 3,  # from the 3rd weight load on, chat requests wait until a policy without
                                      # this key is set: rollouts stall, so the trainer waits for them
+     "agent_end": {"coin": "hang", "coin2": "exit"}}  # after turn 0, instead of submitting: "hang" runs `sleep`
+                                     # until Harbor's agent timeout, "exit" kills the agent (a non-zero agent exit);
+                                     # Harbor's verifier still scores the answer turn 0 wrote
 
 A conversation names its task with a `rig-task: NAME` marker anywhere in a user message (put it in the Harbor
 task's instruction; mini-swe-agent embeds the instruction in its first user message). With tools offered, the
@@ -175,13 +178,16 @@ class Engine:
         """(decision, completion text). Only turn 0 decides, so one rollout never mixes solve and fail."""
         if not tools:
             return "reply", "ok"
-        if any(m.get("role") == "assistant" for m in messages):
-            return "submit", _tool_call_text(SUBMIT)
         policy = self.policy
         user_text = "\n".join(m["content"] for m in messages if m.get("role") == "user"
                               and isinstance(m.get("content"), str))
         match = TASK_MARKER.search(user_text)
         task = match.group(1) if match else "unknown"
+        if any(m.get("role") == "assistant" for m in messages):
+            end = policy.get("agent_end", {}).get(task)
+            # mini-swe-agent runs each command in a shell it spawns: $PPID is the agent itself.
+            command = {"hang": "sleep 3600", "exit": "kill -9 $PPID"}.get(end, SUBMIT)
+            return end or "submit", _tool_call_text(command)
         p_solve = policy.get("tasks", {}).get(task, policy.get("default", 0.5))
         with self.state_lock:
             n = self.rollouts_by_task.get(task, 0)
