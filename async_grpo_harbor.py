@@ -2828,6 +2828,8 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
         "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
         "zero-variance groups": (f"kept out; stop after {args.max_zero_variance_groups} in a row"
                                  if args.max_zero_variance_groups else "trained (advantages 0)"),
+        "held-out eval": (f"{len(plan['eval_tasks'])} tasks x {args.eval_k} rollouts, before training and every "
+                          f"{args.eval_steps or '-'} steps" if plan.get("eval_tasks") else "none (--eval-tasks)"),
         "report to": f"{', '.join(args.report_to) or 'none'} (project {args.project})",
         # AsyncGRPOConfig fields set beyond the script's flags; transformers hides *_token fields the same way
         **{f"{k} (TRL)": f"<{k.upper()}>" if k.endswith("_token") else redact(str(v)) for k, v in args.trl.items()},

@@ -312,6 +312,7 @@ def test_held_out_tasks_are_measured_before_training_every_n_steps_and_at_the_en
     assert [e["step"] for e in evals] == [0, 3] and all(e["eval/pass_rate"] == 0.5 for e in evals)
     assert all(e["eval/echo-hello/pass_rate"] == 1.0 and e["eval/never/pass_rate"] == 0.0 for e in evals)
     assert all(e["eval/mean_reward"] == 0.5 for e in evals)
+    assert re.search(r"held-out eval\s+2 tasks x 1 rollouts, before training and every 3 steps", proc.stdout)
     assert re.search(r"\[harbor\] eval at step 0: pass rate 0\.50 \(2/4\) on 2 held-out tasks", proc.stdout)
     assert "; held-out pass rate 0.50 (step 0) -> 0.50 (step 3)" in proc.stdout
     # Held-out rollouts never reach training's record.
