@@ -2,6 +2,7 @@
 # requires-python = ">=3.12"
 # dependencies = [
 #     "trl==1.16.0",
+#     "peft==0.21.2",  # --use-peft
 #     # TRL's tree attention loads its CUDA kernel with it (trl[kernels] also pins it, via transformers' extra)
 #     "kernels>=0.17.2,<0.19",
 #     "openenv[harbor]==0.10.0",
@@ -145,6 +146,24 @@ def build_parser(trl_fields: dict[str, Any] | None = None) -> argparse.ArgumentP
                    "stops. float16: the same risk. auto: the checkpoint's dtype (bfloat16 for Qwen3).")
     g.add_argument("--vllm-url", default="http://localhost:8000",
                    help="Base URL of `vllm serve` (no /v1). The trainer pushes weights there over NCCL.")
+
+    # TRL's ModelConfig flags for LoRA, by its names, defaults and help (get_peft_config reads them: peft_config).
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--use-peft", action="store_true",
+                   help="Whether to use PEFT for training. Here: LoRA adapters and their AdamW state in float32 on "
+                        "base weights frozen in the serving dtype (--dtype defaults to bfloat16 then); every push "
+                        "sends the base weights with the adapter folded in (merged sync: vLLM must run WITHOUT "
+                        "--enable-lora); checkpoints hold the adapter and its AdamW state; the run ends by writing "
+                        "the merged model to <output dir>/merged, which `vllm serve` loads.")
+    g.add_argument("--lora-r", type=int, default=16, help="LoRA R value.")
+    g.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha.")
+    g.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA dropout.")
+    g.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="LoRA target modules. Default: PEFT's for the architecture (q_proj v_proj for Qwen3); "
+                        "all-linear: every linear layer but the head.")
+    g.add_argument("--use-rslora", action="store_true",
+                   help="Whether to use Rank-Stabilized LoRA, which sets the adapter scaling factor to "
+                        "`lora_alpha/√r`, instead of the original default value of `lora_alpha/r`.")
 
     g = p.add_argument_group("harbor")
     g.add_argument("--harbor-url", default="",
@@ -459,6 +478,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         refuse_unknown_flags(argv, unknown, {action.dest for action in parser._actions})
     args = parse_trl_args(argv, args.help_all) if unknown or args.config or args.help_all else args
     args.trl = getattr(args, "trl", {})
+    if args.use_peft and not any(a.split("=", 1)[0] == "--dtype" for a in argv) and not (
+            args.config and "dtype" in (yaml_keys(args.config))):
+        args.dtype = "bfloat16"  # LoRA freezes the base: float32 copies of it would only cost memory
+    if args.use_peft and args.lora_r < 1:
+        raise UsageError(f"--lora-r must be >= 1 (got {args.lora_r})")
     positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
                 "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1,
                 "save_total_limit": 0, "eval_k": 1, "max_staleness": 0, "agent_timeout": 0, "harbor_retry_window": 0,
@@ -501,6 +525,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} {args.trl[name]}: this script sets it from "
                              f"{DECIDED_BY_SCRIPT[name]}, here to {value}; leave it out")
     return args
+
+
+def yaml_keys(path: str) -> set[str]:
+    import yaml
+
+    try:
+        return set(yaml.safe_load(Path(path).read_text()) or {})
+    except (OSError, yaml.YAMLError, TypeError):
+        return set()  # TrlParser reports an unreadable recipe in its own words
+
+
+def peft_config(args: argparse.Namespace):
+    """The LoraConfig of --use-peft, by TRL's own ModelConfig -> get_peft_config; None without it."""
+    if not args.use_peft:
+        return None
+    from trl import ModelConfig, get_peft_config
+
+    return get_peft_config(ModelConfig(
+        model_name_or_path=args.model, use_peft=True, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout, lora_target_modules=args.lora_target_modules, use_rslora=args.use_rslora))
 
 
 def parse_band(text: str) -> tuple[float, float]:
@@ -1299,6 +1343,9 @@ def check_run_dir(args: argparse.Namespace, pf: Preflight) -> tuple[bool, str | 
     except UsageError as exc:
         pf.add("resume", FAIL, str(exc))
         return True, None
+    if mismatch := lora_mismatch(args, resume):
+        pf.add("resume", FAIL, mismatch)
+        return True, None
     pf.add("resume", PASS, resume or "fresh start")
     return True, resume
 
@@ -1353,6 +1400,17 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
             pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push weights",
                    "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}'")
         check_dtype(args, pf, str(model_config.get("dtype") or "").removeprefix("torch."))
+        if args.use_peft and config.get("lora_config"):
+            # TRL would then sync the adapter alone, registered as `trl-policy-vN`, which only its own worker asks
+            # for: the capture proxy asks for the served model, so every rollout would sample the untrained base.
+            pf.add("LoRA", FAIL, "vLLM runs with --enable-lora (its /server_info has a lora_config): TRL would push "
+                   "the adapter under its own names, which the Harbor capture proxy never requests, so every "
+                   "rollout would sample the untrained base model",
+                   "restart vLLM without --enable-lora (and its --max-lora-rank / --max-loras): --use-peft pushes "
+                   "merged weights")
+        elif args.use_peft:
+            pf.add("LoRA", PASS, f"merged sync: every push sends the base weights with the r={args.lora_r} adapter "
+                   "folded in (vLLM runs without --enable-lora)")
 
     max_len = served.get("max_model_len") or model_config.get("max_model_len")
     worst = args.agent_step_limit * args.max_completion_length
@@ -1444,6 +1502,18 @@ def model_shape(model: str) -> tuple[int, str]:
     return params, str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
 
 
+def adapter_params(args: argparse.Namespace) -> int:
+    """Trainable parameters of --use-peft's adapter on --model, counted on the meta device: no weights are read."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
+                               peft_config(args))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def model_shape_error(args: argparse.Namespace) -> str | None:
     try:
         model_shape(args.model)
@@ -1474,6 +1544,17 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
         pf.add("precision", FAIL, f"--dtype {args.dtype} under FSDP: accelerate upcasts the weights to float32 "
                f"after TRL announced them to vLLM as {dtype}, so weight pushes would not match",
                "--dtype float32 (FSDP keeps float32 weights anyway and computes in bf16)")
+    elif os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and args.use_peft:
+        # The merged push folds the adapter in per layer from local tensors (HarborGRPOTrainer._streaming_iter).
+        pf.add("precision", FAIL, "--use-peft under FSDP: this script's merged push reads whole adapter tensors, "
+               "which FSDP shards", "train LoRA on one trainer process (README: Capacity, LoRA), or without FSDP")
+    elif args.use_peft and dtype is not None:
+        # The trained tensors are the adapters, float32 whatever --dtype (PEFT's autocast_adapter_dtype).
+        half_step = 2.0 ** math.floor(math.log2(0.02)) * torch.finfo(torch.float32).eps / 2
+        pf.add("precision", PASS if args.learning_rate >= half_step else WARN,
+               f"LoRA: base weights {dtype}, frozen; adapters and their AdamW moments float32 (steps of "
+               f"~{args.learning_rate:g} land); each push rounds the folded-in base once to {dtype}, never the "
+               "trainer's copy")
     elif dtype in ("bfloat16", "float16", "float32"):
         # An AdamW step moves a weight by about the learning rate. Below half the dtype's spacing at a typical
         # weight (0.02, Qwen3's initializer range) the sum rounds back to the old weight: no update at all.
@@ -1489,6 +1570,21 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
                    f"{dtype} spacing at |w| = {typical} ({half_step:.1e})")
     if (problem := model_shape_error(args)) is not None:
         pf.add("checkpoints", SKIP, f"size unknown: {problem}")
+    elif writable and dtype is not None and args.use_peft:
+        params, adapter = model_shape(args.model)[0], adapter_params(args)
+        width = torch.finfo(getattr(torch, dtype)).bits // 8
+        # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
+        facts["checkpoint_bytes"] = size = adapter * 4 * 3
+        kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
+        merged = params * width  # <output dir>/merged, written once at the end
+        peak = (kept + 1) * size + merged
+        free = shutil.disk_usage(args.output_dir).free
+        detail = (f"~{human_bytes(size)} each ({adapter / 1e6:.2f} M adapter params x 12 B: float32 adapter + 2 "
+                  f"AdamW moments); {kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written, and "
+                  f"the merged model at the end ({human_bytes(merged)}) = {human_bytes(peak)}; {human_bytes(free)} "
+                  f"free in {args.output_dir}")
+        pf.add("checkpoints", WARN if free < peak else PASS, detail,
+               "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
     elif writable and dtype is not None:
         params = model_shape(args.model)[0]
         width = torch.finfo(getattr(torch, dtype)).bits // 8
@@ -1921,6 +2017,9 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"no optimizer state ({', '.join(CHECKPOINT_LAYOUTS)})"
     parts = [*layouts, *(CHECKPOINT_LAYOUTS[name] for name in layouts), "scheduler.pt",
              *(f.name for f in path.glob("rng_state*.pth"))]
+    if (path / "adapter_config.json").is_file():
+        # A PEFT model's save (--use-peft): the adapter stands where the weights would, and resumes onto the base.
+        parts = ["adapter_model.safetensors" if name == "model.safetensors" else name for name in parts]
     if "model.safetensors" not in parts and ((path / "model.safetensors").exists()
                                              or (path / "model.safetensors.index.json").exists()):
         parts.append("model.safetensors")  # FSDP's FULL_STATE_DICT also writes it: what inference loads
@@ -1937,8 +2036,8 @@ def artifact_problem(checkpoint: Path, name: str) -> str | None:
     from safetensors import SafetensorError, safe_open
 
     path = checkpoint / name
-    if name == "model.safetensors":
-        index = checkpoint / "model.safetensors.index.json"
+    if name.endswith(".safetensors"):
+        index = checkpoint / f"{name}.index.json"
         try:
             files = ({checkpoint / f for f in json.loads(index.read_text())["weight_map"].values()}
                      if index.is_file() else {path})
@@ -2002,6 +2101,16 @@ def resolve_resume(args: argparse.Namespace) -> str | None:
     if problem := checkpoint_problem(Path(args.resume)):
         raise UsageError(f"--resume {args.resume}: not a usable checkpoint ({problem})")
     return args.resume
+
+
+def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | None:
+    """A LoRA checkpoint resumed without --use-peft, or full weights with it: transformers would load nothing."""
+    if checkpoint is None or args.use_peft == (Path(checkpoint) / "adapter_config.json").is_file():
+        return None
+    if args.use_peft:
+        return (f"{checkpoint} holds full weights, not a LoRA adapter: resume it without --use-peft, or start a "
+                "LoRA run in a new --output-dir")
+    return f"{checkpoint} holds a LoRA adapter: resume it with --use-peft (and the run's --lora-* flags)"
 
 
 # --- Measure and curate: pass rates per task, and the tasks that can teach --------------------------------------------
@@ -2703,7 +2812,9 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
+    from accelerate.utils import is_peft_model
     from trl.experimental.async_grpo import AsyncGRPOTrainer
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
     class HarborRolloutWorker(HarnessRolloutWorker):
@@ -2802,6 +2913,41 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 if self.accelerator.is_main_process:
                     accounting.finish(self.rollout_worker.samples_left_at_stop)
 
+        def _init_lora_sync(self, model):
+            # Merged sync only (the preflight refuses an --enable-lora vLLM): TRL's adapter-only sync registers
+            # adapters under its own names, which the capture proxy never asks for.
+            return False
+
+        def _sync_weight_merged(self, t0):
+            model = self.accelerator.unwrap_model(self.model)
+            if not is_peft_model(model):
+                return super()._sync_weight_merged(t0)
+            # PEFT's merge_adapter adds the adapter into the base weights in place and unmerge_adapter subtracts it:
+            # in bfloat16 the round trip is not exact, so the frozen base would drift by rounding steps at every
+            # push. _streaming_iter streams the same sum, rounded once, out of place instead.
+            model.merge_adapter = model.unmerge_adapter = lambda *a, **kw: None
+            try:
+                return super()._sync_weight_merged(t0)
+            finally:
+                del model.merge_adapter, model.unmerge_adapter
+
+        def _streaming_iter(self):
+            model = self.accelerator.unwrap_model(self.model)
+            if not is_peft_model(model):
+                yield from super()._streaming_iter()
+                return
+            from peft.tuners.lora import LoraLayer
+
+            layers = {id(m.get_base_layer().weight): m for m in model.modules() if isinstance(m, LoraLayer)}
+            for name, param in _iter_vllm_named_params(model):
+                tensor, layer = param.detach(), layers.get(id(param))
+                if layer is not None:
+                    with torch.no_grad():  # W + delta in float32, rounded once: PEFT's merge arithmetic
+                        for adapter in layer.active_adapters:
+                            tensor = tensor + layer.get_delta_weight(adapter)
+                    tensor = tensor.to(param.dtype)
+                yield name, tensor.to(self.accelerator.device)
+
         def _get_output_dir(self, trial):
             # transformers and TRL write a checkpoint file by file into <output dir>/checkpoint-N; pointing them at a
             # staging dir while they do means a kill mid-save leaves no half-written checkpoint-N behind.
@@ -2862,7 +3008,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         max_zero_variance_groups=args.max_zero_variance_groups,
     )
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                                rollout_worker=worker)
+                                rollout_worker=worker, peft_config=peft_config(args))
     trainer.add_callback(StopAtStepEnd(trainer))
     return trainer
 
@@ -2980,8 +3126,14 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
         "agent step limit / timeout": f"{args.agent_step_limit} calls / {args.agent_timeout:g} s",
         "max completion length": args.max_completion_length, "learning rate": args.learning_rate,
         "max steps / save steps": f"{args.max_steps} / {args.save_steps}",
-        "dtype (trainer weights)": args.dtype,
-        "checkpoints": (f"~{human_bytes(plan['checkpoint_bytes'])} each" if plan.get("checkpoint_bytes")
+        "dtype (trainer weights)": (f"{args.dtype} base (frozen), float32 LoRA adapters" if args.use_peft
+                                    else args.dtype),
+        **({"LoRA": f"r {args.lora_r}, alpha {args.lora_alpha}{' (rsLoRA)' if args.use_rslora else ''}, dropout "
+                    f"{args.lora_dropout}, on {' '.join(args.lora_target_modules or ['PEFT default modules'])}; "
+                    f"merged push; merged model written to {args.output_dir}/merged at the end"}
+           if args.use_peft else {}),
+        "checkpoints": (f"~{human_bytes(plan['checkpoint_bytes'])} each"
+                        + (" (adapter + its AdamW state)" if args.use_peft else "") if plan.get("checkpoint_bytes")
                         else "size unknown") + f", the newest {args.save_total_limit or 'all'} kept",
         "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
         "zero-variance groups": (f"kept out; stop after {args.max_zero_variance_groups} in a row"
@@ -3020,7 +3172,16 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
     if trainer.stop_agreed and trainer.state.global_step < args.max_steps:
         return save_for_requeue(trainer, args)
     trainer.save_model(args.output_dir)
-    print(f"[harbor] done: {trainer.state.global_step} steps, model saved to {args.output_dir}", flush=True)
+    saved = args.output_dir
+    if args.use_peft and trainer.accelerator.is_main_process:
+        # save_model wrote the adapter only; what serves the finished run loads whole weights. merge_and_unload
+        # folds the adapter in as every push did (rounded once to the base dtype).
+        saved = os.path.join(args.output_dir, "merged")
+        merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+        merged.save_pretrained(saved)
+        trainer.processing_class.save_pretrained(saved)
+        saved += f" (adapter in {args.output_dir})"
+    print(f"[harbor] done: {trainer.state.global_step} steps, model saved to {saved}", flush=True)
     return 0
 
 
