@@ -41,6 +41,10 @@ Run it (see README.md for the full walk-through):
     # preemptible (SLURM requeue): one command for the first launch and every requeue; SIGTERM / SIGUSR1 save a
     # checkpoint and exit 75
     uv run async_grpo_harbor.py ... --run-name my-run --resume auto
+
+    # LoRA (README: Capacity): float32 adapters on a bfloat16 base frozen on the trainer GPU, merged weights pushed
+    # (vLLM as in 1., without --enable-lora); the merged model lands in <output dir>/merged for `vllm serve`
+    uv run async_grpo_harbor.py ... --use-peft --lora-r 16 --lora-target-modules all-linear --learning-rate 1e-5
 """
 
 from __future__ import annotations
