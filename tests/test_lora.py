@@ -28,8 +28,8 @@ def lora_runs(tmp_path_factory, tiny_model):
     try:
         out = work / "out"
         first = run_script(train_args(rig, out, *LORA, "--max-steps", "2", "--save-steps", "1"), cwd=work)
-        after_first = rig.engine_stats()
         engine_first = engine_logprobs(rig)
+        after_first = rig.engine_stats()  # the probe request included: the resumed run's requests come after it
         adapter_first = load_adapter(out)
         merged_first = {k: v.clone() for k, v in load_dir(out / "merged").items()}
         resumed = run_script(train_args(rig, out, *LORA, "--max-steps", "3", "--save-steps", "1", "--resume"),
