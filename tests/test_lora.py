@@ -149,7 +149,8 @@ def test_lora_resumes_from_an_adapter_checkpoint_and_pushes_it_first(lora_runs):
     # Before its first rollout the resumed run pushed the checkpoint's merged weights: no request of the resumed run
     # was served by the weights the engine held at the end of the first run.
     first_version = lora_runs["after_first"]["weight_version"]
-    chats = lora_runs["after_resumed"]["chat"][len(lora_runs["after_first"]["chat"]):]
+    chats = [c for c in lora_runs["after_resumed"]["chat"][len(lora_runs["after_first"]["chat"]):]
+             if "min_p" in c["sampling"]]  # rollouts: the capture proxy's sampling, not the preflight's probes
     assert chats and min(c["weight_version"] for c in chats) == first_version + 1  # its train-begin push
     served = lora_runs["engine_resumed"]
     wanted = model_logprobs(merged_reference(tiny_model, out), tiny_model)
