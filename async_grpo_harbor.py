@@ -2,6 +2,7 @@
 # requires-python = ">=3.12"
 # dependencies = [
 #     "trl==1.16.0",
+#     "peft==0.21.2",  # --use-peft
 #     # TRL's tree attention loads its CUDA kernel with it (trl[kernels] also pins it, via transformers' extra)
 #     "kernels>=0.17.2,<0.19",
 #     "openenv[harbor]==0.10.0",
@@ -40,6 +41,10 @@ Run it (see README.md for the full walk-through):
     # preemptible (SLURM requeue): one command for the first launch and every requeue; SIGTERM / SIGUSR1 save a
     # checkpoint and exit 75
     uv run async_grpo_harbor.py ... --run-name my-run --resume auto
+
+    # LoRA (README: Capacity): float32 adapters on a bfloat16 base frozen on the trainer GPU, merged weights pushed
+    # (vLLM as in 1., without --enable-lora); the merged model lands in <output dir>/merged for `vllm serve`
+    uv run async_grpo_harbor.py ... --use-peft --lora-r 16 --lora-target-modules all-linear --learning-rate 1e-5
 """
 
 from __future__ import annotations
@@ -285,12 +290,36 @@ class HarborGRPOConfig(AsyncGRPOConfig):
         super().__post_init__()
 
 
+@dataclass
+class LoraArguments:
+    """TRL's ModelConfig LoRA fields, by its names, defaults and help (get_peft_config reads them: peft_config). Not
+    ModelConfig itself: it also declares --dtype (the config's) and quantisation and DoRA, which this script does
+    not train."""
+
+    _argument_group_name = "LoRA"
+    use_peft: bool = arg(
+        False, "Whether to use PEFT for training. Here: LoRA adapters and their AdamW state in float32 on base weights "
+               "frozen in the serving dtype (--dtype defaults to bfloat16 then); every push sends the base weights "
+               "with the adapter folded in (merged sync: vLLM must run WITHOUT --enable-lora); checkpoints hold the "
+               "adapter and its AdamW state; the run ends by writing the merged model to <output dir>/merged, which "
+               "`vllm serve` loads.")
+    lora_r: int = arg(16, "LoRA R value.")
+    lora_alpha: int = arg(32, "LoRA alpha.")
+    lora_dropout: float = arg(0.05, "LoRA dropout.")
+    lora_target_modules: list[str] | None = arg(
+        None, "LoRA target modules. Default: PEFT's for the architecture (q_proj v_proj for Qwen3); all-linear: every "
+              "linear layer but the head.", nargs="+")
+    use_rslora: bool = arg(False, "Whether to use Rank-Stabilized LoRA, which sets the adapter scaling factor to "
+                                  "`lora_alpha/√r`, instead of the original default value of `lora_alpha/r`.")
+
+
 class UsageError(Exception):
     """Bad input or an unusable setup: reported as one line, exit code 2."""
 
 
 # The fields declared here, listed by --help; the other AsyncGRPOConfig fields appear under --help-all.
-OWN_FLAGS = {f.name for f in dataclasses.fields(ScriptArguments)} | set(HarborGRPOConfig.__annotations__)
+OWN_FLAGS = ({f.name for f in dataclasses.fields(ScriptArguments) + dataclasses.fields(LoraArguments)}
+             | set(HarborGRPOConfig.__annotations__))
 
 
 class Parser(TrlParser):
@@ -299,7 +328,7 @@ class Parser(TrlParser):
 
 
 def build_parser(help_all: bool = False) -> Parser:
-    parser = Parser((ScriptArguments, HarborGRPOConfig), allow_abbrev=False,  # `--mod X` must never mean --model
+    parser = Parser((ScriptArguments, HarborGRPOConfig, LoraArguments), allow_abbrev=False,  # `--mod X` must never mean --model
                     description="RL-train a model on a Harbor task suite through a loop-owning harness with TRL "
                                 "AsyncGRPO.",
                     usage="%(prog)s [--config RECIPE_YAML] [--flag VALUE ...]  (--help-all: every AsyncGRPOConfig "
@@ -326,18 +355,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     named = {parser._option_string_actions[a.split("=")[0]].dest for a in argv if a.split("=")[0] in
              parser._option_string_actions}
 
-    def trl_given() -> list[str]:  # AsyncGRPOConfig fields beyond the script's set on the command line or in the recipe
-        changed = {action.dest for action, default in zip(parser._actions, defaults) if action.default != default}
-        return sorted((named | changed) - OWN_FLAGS - {"config"})
+    def given() -> set[str]:  # what the command line or the recipe set
+        return named | {action.dest for action, default in zip(parser._actions, defaults) if action.default != default}
+
+    def trl_given() -> list[str]:  # AsyncGRPOConfig fields beyond the script's
+        return sorted(given() - OWN_FLAGS - {"config"})
 
     try:
-        script, config, _, unknown_keys, unknown = parser.parse_args_and_config(
+        script, config, lora, _, unknown_keys, unknown = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True)
     except (OSError, yaml.YAMLError) as exc:
         raise UsageError(f"--config {recipe}: {' '.join(str(exc).split())}") from None
     except ValueError as exc:  # TRL's and transformers' own checks, as the config is built (a scheduler's name)
-        given = ", ".join(f"--{name.replace('_', '-')}" for name in trl_given()) or "none"
-        raise UsageError(f"AsyncGRPOConfig could not be built (TRL flags given: {given}): "
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in trl_given()) or "none"
+        raise UsageError(f"AsyncGRPOConfig could not be built (TRL flags given: {flags}): "
                          f"{' '.join(str(exc).split())}") from None
     if unknown_keys:
         raise UsageError(f"--config {recipe}: unknown key(s) {', '.join(k[2:] for k in unknown_keys[::2])}: not a "
@@ -351,7 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"unrecognized arguments: {' '.join(unknown)}{hint} (--help-all lists every flag)")
     # One namespace for the script: its flags, HarborGRPOConfig's own fields, the config the trainer gets, and the
     # other AsyncGRPOConfig fields the user set (for the hyper-parameter table).
-    args = argparse.Namespace(**vars(script), **{name: getattr(config, name) for name in HarborGRPOConfig.__annotations__},
+    args = argparse.Namespace(**vars(script), **vars(lora),
+                              **{name: getattr(config, name) for name in HarborGRPOConfig.__annotations__},
                               config=config, trl={name: getattr(config, name) for name in trl_given()})
     positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
                 "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1,
@@ -360,6 +392,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, low in positive.items():
         if (getattr(args, name) or 0) < low:  # save_total_limit may be None (TRL's `none`): keep all, as 0
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
+    if args.use_peft and "dtype" not in given():
+        args.dtype = config.dtype = "bfloat16"  # LoRA freezes the base: float32 copies of it would only cost memory
+    if args.use_peft and args.lora_r < 1:
+        raise UsageError(f"--lora-r must be >= 1 (got {args.lora_r})")
     args.measure = args.eval_only or args.curate == ""
     args.eval_steps = int(args.eval_steps)
     strategy = args.trl.get("eval_strategy", "no")
@@ -397,6 +433,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
     args.config.run_name, args.config.output_dir = args.run_name, args.output_dir
     return args
+
+
+def peft_config(args: argparse.Namespace):
+    """The LoraConfig of --use-peft, by TRL's own ModelConfig -> get_peft_config; None without it."""
+    if not args.use_peft:
+        return None
+    from trl import ModelConfig, get_peft_config
+
+    return get_peft_config(ModelConfig(
+        model_name_or_path=args.model, use_peft=True, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout, lora_target_modules=args.lora_target_modules, use_rslora=args.use_rslora))
 
 
 def parse_band(text: str) -> tuple[float, float]:
@@ -1209,6 +1256,9 @@ def check_run_dir(args: argparse.Namespace, pf: Preflight) -> tuple[bool, str | 
     except UsageError as exc:
         pf.add("resume", FAIL, str(exc))
         return True, None
+    if mismatch := lora_mismatch(args, resume):
+        pf.add("resume", FAIL, mismatch)
+        return True, None
     pf.add("resume", PASS, resume or "fresh start")
     return True, resume
 
@@ -1263,6 +1313,17 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
             pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push weights",
                    "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}'")
         check_dtype(args, pf, str(model_config.get("dtype") or "").removeprefix("torch."))
+        if args.use_peft and config.get("lora_config"):
+            # TRL would then sync the adapter alone, registered as `trl-policy-vN`, which only its own worker asks
+            # for: the capture proxy asks for the served model, so every rollout would sample the untrained base.
+            pf.add("LoRA", FAIL, "vLLM runs with --enable-lora (its /server_info has a lora_config): TRL would push "
+                   "the adapter under its own names, which the Harbor capture proxy never requests, so every "
+                   "rollout would sample the untrained base model",
+                   "restart vLLM without --enable-lora (and its --max-lora-rank / --max-loras): --use-peft pushes "
+                   "merged weights")
+        elif args.use_peft:
+            pf.add("LoRA", PASS, f"merged sync: every push sends the base weights with the r={args.lora_r} adapter "
+                   "folded in (vLLM runs without --enable-lora)")
 
     max_len = served.get("max_model_len") or model_config.get("max_model_len")
     worst = args.agent_step_limit * args.max_completion_length
@@ -1354,6 +1415,18 @@ def model_shape(model: str) -> tuple[int, str]:
     return params, str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
 
 
+def adapter_params(args: argparse.Namespace) -> int:
+    """Trainable parameters of --use-peft's adapter on --model, counted on the meta device: no weights are read."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
+                               peft_config(args))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def model_shape_error(args: argparse.Namespace) -> str | None:
     try:
         model_shape(args.model)
@@ -1384,6 +1457,17 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
         pf.add("precision", FAIL, f"--dtype {args.dtype} under FSDP: accelerate upcasts the weights to float32 "
                f"after TRL announced them to vLLM as {dtype}, so weight pushes would not match",
                "--dtype float32 (FSDP keeps float32 weights anyway and computes in bf16)")
+    elif os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and args.use_peft:
+        # The merged push folds the adapter in per layer from local tensors (HarborGRPOTrainer._streaming_iter).
+        pf.add("precision", FAIL, "--use-peft under FSDP: this script's merged push reads whole adapter tensors, "
+               "which FSDP shards", "train LoRA on one trainer process (README: Capacity, LoRA), or without FSDP")
+    elif args.use_peft and dtype is not None:
+        # The trained tensors are the adapters, float32 whatever --dtype (PEFT's autocast_adapter_dtype).
+        half_step = 2.0 ** math.floor(math.log2(0.02)) * torch.finfo(torch.float32).eps / 2
+        pf.add("precision", PASS if args.learning_rate >= half_step else WARN,
+               f"LoRA: base weights {dtype}, frozen; adapters and their AdamW moments float32 (steps of "
+               f"~{args.learning_rate:g} land); each push rounds the folded-in base once to {dtype}, never the "
+               "trainer's copy")
     elif dtype in ("bfloat16", "float16", "float32"):
         # An AdamW step moves a weight by about the learning rate. Below half the dtype's spacing at a typical
         # weight (0.02, Qwen3's initializer range) the sum rounds back to the old weight: no update at all.
@@ -1399,6 +1483,21 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
                    f"{dtype} spacing at |w| = {typical} ({half_step:.1e})")
     if (problem := model_shape_error(args)) is not None:
         pf.add("checkpoints", SKIP, f"size unknown: {problem}")
+    elif writable and dtype is not None and args.use_peft:
+        params, adapter = model_shape(args.model)[0], adapter_params(args)
+        width = torch.finfo(getattr(torch, dtype)).bits // 8
+        # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
+        facts["checkpoint_bytes"] = size = adapter * 4 * 3
+        kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
+        merged = params * width  # <output dir>/merged, written once at the end
+        peak = (kept + 1) * size + merged
+        free = shutil.disk_usage(args.output_dir).free
+        detail = (f"~{human_bytes(size)} each ({adapter / 1e6:.2f} M adapter params x 12 B: float32 adapter + 2 "
+                  f"AdamW moments); {kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written, and "
+                  f"the merged model at the end ({human_bytes(merged)}) = {human_bytes(peak)}; {human_bytes(free)} "
+                  f"free in {args.output_dir}")
+        pf.add("checkpoints", WARN if free < peak else PASS, detail,
+               "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
     elif writable and dtype is not None:
         params = model_shape(args.model)[0]
         width = torch.finfo(getattr(torch, dtype)).bits // 8
@@ -1857,6 +1956,16 @@ def resolve_resume(args: argparse.Namespace) -> str | None:
     if problem := checkpoint_problem(Path(args.resume)):
         raise UsageError(f"--resume {args.resume}: not a usable checkpoint ({problem})")
     return args.resume
+
+
+def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | None:
+    """A LoRA checkpoint resumed without --use-peft, or full weights with it: transformers would load nothing."""
+    if checkpoint is None or args.use_peft == (Path(checkpoint) / "adapter_config.json").is_file():
+        return None
+    if args.use_peft:
+        return (f"{checkpoint} holds full weights, not a LoRA adapter: resume it without --use-peft, or start a "
+                "LoRA run in a new --output-dir")
+    return f"{checkpoint} holds a LoRA adapter: resume it with --use-peft (and the run's --lora-* flags)"
 
 
 # --- Measure and curate: pass rates per task, and the tasks that can teach --------------------------------------------
@@ -2535,8 +2644,10 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                   plan: dict[str, Any] | None = None):
     import torch
     from datasets import Dataset
+    from accelerate.utils import is_peft_model
     from transformers import AutoTokenizer, Trainer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOTrainer
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
 
     class HarborRolloutWorker(HarnessRolloutWorker):
         _loop_cls = HarborRolloutLoop
@@ -2657,6 +2768,41 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 if self.accelerator.is_main_process:
                     accounting.finish(self.rollout_worker.samples_left_at_stop, getattr(self, "held_out", {}))
 
+        def _init_lora_sync(self, model):
+            # Merged sync only (the preflight refuses an --enable-lora vLLM): TRL's adapter-only sync registers
+            # adapters under its own names, which the capture proxy never asks for.
+            return False
+
+        def _sync_weight_merged(self, t0):
+            model = self.accelerator.unwrap_model(self.model)
+            if not is_peft_model(model):
+                return super()._sync_weight_merged(t0)
+            # PEFT's merge_adapter adds the adapter into the base weights in place and unmerge_adapter subtracts it:
+            # in bfloat16 the round trip is not exact, so the frozen base would drift by rounding steps at every
+            # push. _streaming_iter streams the same sum, rounded once, out of place instead.
+            model.merge_adapter = model.unmerge_adapter = lambda *a, **kw: None
+            try:
+                return super()._sync_weight_merged(t0)
+            finally:
+                del model.merge_adapter, model.unmerge_adapter
+
+        def _streaming_iter(self):
+            model = self.accelerator.unwrap_model(self.model)
+            if not is_peft_model(model):
+                yield from super()._streaming_iter()
+                return
+            from peft.tuners.lora import LoraLayer
+
+            layers = {id(m.get_base_layer().weight): m for m in model.modules() if isinstance(m, LoraLayer)}
+            for name, param in _iter_vllm_named_params(model):
+                tensor, layer = param.detach(), layers.get(id(param))
+                if layer is not None:
+                    with torch.no_grad():  # W + delta in float32, rounded once: PEFT's merge arithmetic
+                        for adapter in layer.active_adapters:
+                            tensor = tensor + layer.get_delta_weight(adapter)
+                    tensor = tensor.to(param.dtype)
+                yield name, tensor.to(self.accelerator.device)
+
         def _get_output_dir(self, trial):
             # transformers and TRL write a checkpoint file by file into <output dir>/checkpoint-N; pointing them at a
             # staging dir while they do means a kill mid-save leaves no half-written checkpoint-N behind.
@@ -2713,7 +2859,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         max_zero_variance_groups=args.max_zero_variance_groups,
     )
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                                rollout_worker=worker)
+                                rollout_worker=worker, peft_config=peft_config(args))
     trainer.add_callback(StopAtStepEnd(trainer))
     if plan and plan.get("eval_tasks"):
         held_out = HeldOutEval(trainer)
@@ -2822,8 +2968,14 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
         "agent step limit / timeout": f"{args.agent_step_limit} calls / {args.agent_timeout:g} s",
         "max completion length": args.max_completion_length, "learning rate": args.learning_rate,
         "max steps / save steps": f"{args.max_steps} / {args.save_steps}",
-        "dtype (trainer weights)": args.dtype,
-        "checkpoints": (f"~{human_bytes(plan['checkpoint_bytes'])} each" if plan.get("checkpoint_bytes")
+        "dtype (trainer weights)": (f"{args.dtype} base (frozen), float32 LoRA adapters" if args.use_peft
+                                    else args.dtype),
+        **({"LoRA": f"r {args.lora_r}, alpha {args.lora_alpha}{' (rsLoRA)' if args.use_rslora else ''}, dropout "
+                    f"{args.lora_dropout}, on {' '.join(args.lora_target_modules or ['PEFT default modules'])}; "
+                    f"merged push; merged model written to {args.output_dir}/merged at the end"}
+           if args.use_peft else {}),
+        "checkpoints": (f"~{human_bytes(plan['checkpoint_bytes'])} each"
+                        + (" (adapter + its AdamW state)" if args.use_peft else "") if plan.get("checkpoint_bytes")
                         else "size unknown") + f", the newest {args.save_total_limit or 'all'} kept",
         "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
         "zero-variance groups": (f"kept out; stop after {args.max_zero_variance_groups} in a row"
@@ -2864,7 +3016,16 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
     if trainer.stop_agreed and trainer.state.global_step < args.max_steps:
         return save_for_requeue(trainer, args)
     trainer.save_model(args.output_dir)
-    print(f"[harbor] done: {trainer.state.global_step} steps, model saved to {args.output_dir}", flush=True)
+    saved = args.output_dir
+    if args.use_peft and trainer.accelerator.is_main_process:
+        # save_model wrote the adapter only; what serves the finished run loads whole weights. merge_and_unload
+        # folds the adapter in as every push did (rounded once to the base dtype).
+        saved = os.path.join(args.output_dir, "merged")
+        merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+        merged.save_pretrained(saved)
+        trainer.processing_class.save_pretrained(saved)
+        saved += f" (adapter in {args.output_dir})"
+    print(f"[harbor] done: {trainer.state.global_step} steps, model saved to {saved}", flush=True)
     return 0
 
 

@@ -15,11 +15,22 @@ numbers are about shapes and bytes, not about what the model says. Sections, sid
   for the 4B shape.
 - sync: NCCL weight pushes with TRL's own WeightTransferClient (pause, stream, resume, as AsyncGRPOTrainer does after
   every step), from float32 and from bfloat16 weights; median of 3 each.
+- lora (one GPU, `--sections lora`): peak trainer memory under `--use-peft` for Qwen3-8B / 14B / 32B shapes: base
+  weights in bfloat16 (the serving dtype), LoRA adapters and their AdamW state in float32 (PEFT's autocast of adapter
+  dtype, as AsyncGRPOTrainer's get_peft_model call leaves it), dropout 0.05, r=16 and r=64 on all linear layers and
+  r=16 on PEFT's default targets (q_proj, v_proj: what TRL's --lora-target-modules default gives), the same loss path
+  as `memory` (enable_input_require_grads as the trainer adds it under PEFT); 2 optimizer steps per row length. Also the
+  time of one merge_adapter + unmerge_adapter (the merged push folds the adapter in and out around every push).
+
+    for s in 8b 14b 32b; do python bench/gpu_capacity.py --sections lora --shapes $s --json lora-$s.json; done  # 1 GPU
+
+  One process per shape: a shape built after another in the same process measured the first one's leftovers too.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -34,6 +45,15 @@ ROOT = Path(__file__).resolve().parents[1]
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+# Qwen3-8B / 14B / 32B config.json (architecture fields; untied heads)
+QWEN3_LARGE = {
+    "8b": dict(QWEN3_4B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               tie_word_embeddings=False),
+    "14b": dict(QWEN3_4B, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                tie_word_embeddings=False),
+    "32b": dict(QWEN3_4B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                tie_word_embeddings=False),
+}
 NCCL_SAFE = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -93,6 +113,89 @@ def measure_memory(lengths: list[int], device: str) -> dict:
             print(name, length, results[f"memory/{name}/{length}"], flush=True)
         results[f"params/{name}"] = params
         del model, optimizer, out, loss
+        torch.cuda.empty_cache()
+    return results
+
+
+def measure_lora(shapes: list[str], lengths: list[int], device: str, sink: Path | None) -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    results: dict = {}
+    variants = [("all-linear", 16), ("all-linear", 64), ("default", 16)]
+    for shape in shapes:
+        cfg = QWEN3_LARGE[shape]
+        t0 = time.monotonic()
+        torch.manual_seed(0)
+        # Built in bfloat16 directly: a float32 32B shape (128 GB) would not fit before the cast.
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device(device):
+            base = Qwen3ForCausalLM(Qwen3Config(**cfg, dtype="bfloat16"))
+        torch.set_default_dtype(torch.float32)
+        base.config._attn_implementation = "sdpa"
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.config.use_cache = False
+        add_fused_lm_head(base, outputs=("log_probs", "entropy"))
+        results[f"lora/{shape}/params"] = sum(p.numel() for p in base.parameters())
+        results[f"lora/{shape}/base_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 1)
+        print(shape, "built in", round(time.monotonic() - t0), "s,", results[f"lora/{shape}/base_gib"], "GiB", flush=True)
+        for targets, r in variants:
+            peft_config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.05, task_type="CAUSAL_LM",
+                                     target_modules="all-linear" if targets == "all-linear" else None)
+            gc.collect()  # the previous variant's PEFT wrapper and fused-head closure sit in reference cycles
+            torch.cuda.empty_cache()
+            results[f"lora/{shape}/r{r}-{targets}/before_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 1)
+            model = get_peft_model(base, peft_config)
+            model.enable_input_require_grads()
+            model.train()
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            key = f"lora/{shape}/r{r}-{targets}"
+            results[f"{key}/trainable_params"] = sum(p.numel() for p in trainable)
+            results[f"{key}/adapter_dtype"] = str(trainable[0].dtype).removeprefix("torch.")
+            optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=True)
+            for length in lengths:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                t0 = time.monotonic()
+                try:
+                    for _ in range(2):
+                        ids = torch.randint(0, cfg["vocab_size"], (1, length), device=device)
+                        positions = torch.arange(length, device=device).unsqueeze(0)
+                        labels = torch.randint(0, cfg["vocab_size"], (1, length), device=device)
+                        with torch.autocast("cuda", dtype=torch.bfloat16):
+                            out = model(input_ids=ids, position_ids=positions, shift_labels=labels,
+                                        fused_lm_head=True)
+                            loss = -(out.log_probs.float() * torch.randn_like(out.log_probs.float())).mean()
+                        loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        del out, loss
+                    torch.cuda.synchronize(device)
+                    results[f"{key}/{length}"] = {
+                        "peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
+                        "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 1),
+                        "step_s": round((time.monotonic() - t0) / 2, 1)}
+                except torch.OutOfMemoryError:
+                    results[f"{key}/{length}"] = "out of memory"
+                    optimizer.zero_grad(set_to_none=True)
+                print(key, length, results[f"{key}/{length}"], flush=True)
+                if sink is not None:
+                    sink.write_text(json.dumps(results, indent=1))
+            torch.cuda.synchronize(device)
+            t0 = time.monotonic()
+            with torch.no_grad():
+                model.merge_adapter()
+                model.unmerge_adapter()
+            torch.cuda.synchronize(device)
+            results[f"{key}/merge_unmerge_s"] = round(time.monotonic() - t0, 2)
+            del optimizer, trainable
+            base = model.unload()
+            del model
+            torch.cuda.empty_cache()
+        del base
+        gc.collect()
         torch.cuda.empty_cache()
     return results
 
@@ -178,7 +281,22 @@ def main() -> int:
     p.add_argument("--lengths", default="8192,16384,32768")
     p.add_argument("--sections", default="memory,vllm,sync")
     p.add_argument("--work", default="/tmp/gpu-capacity")
+    p.add_argument("--shapes", default="8b,14b,32b", help="lora section: Qwen3 shapes")
     args = p.parse_args()
+    if args.sections == "lora":
+        # One GPU is enough: no vLLM, no push.
+        import torch
+
+        results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+        import peft
+        import transformers
+        import trl
+
+        results |= {"peft": peft.__version__, "trl": trl.__version__, "transformers": transformers.__version__}
+        sink = Path(args.json)
+        results |= measure_lora(args.shapes.split(","), [int(x) for x in args.lengths.split(",")], "cuda:0", sink)
+        sink.write_text(json.dumps(results, indent=1))
+        return 0
     # The trainer sees only its own GPU, as in the README's command: with both visible, TRL's NCCL init thread runs on
     # the default device, GPU 0, where vLLM's rank is, and NCCL refuses two ranks on one device ("invalid usage").
     os.environ["CUDA_VISIBLE_DEVICES"] = "1"

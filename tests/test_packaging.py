@@ -15,8 +15,8 @@ from pathlib import Path
 
 from conftest import SCRIPT
 
-# Imported on the GPU path by what the script runs, but not by this script's configuration: LoRA (peft) is off.
-NOT_ON_OUR_PATH = {"peft"}
+# Imported on the GPU path by what the script runs, but not by this script's configuration (none since --use-peft).
+NOT_ON_OUR_PATH: set[str] = set()
 
 
 def trainer_imports() -> set[str]:
@@ -74,7 +74,8 @@ def test_help_documents_every_flag():
                  "--sandbox", "--reward-key", "--num-generations", "--max-inflight", "--max-staleness",
                  "--temperature", "--max-completion-length", "--agent-step-limit", "--agent-timeout",
                  "--learning-rate", "--max-steps", "--save-steps", "--output-dir", "--run-name", "--project",
-                 "--resume", "--dtype", "--save-total-limit", "--harbor-expose"):
+                 "--resume", "--dtype", "--save-total-limit", "--harbor-expose", "--use-peft", "--lora-r",
+                 "--lora-alpha", "--lora-dropout", "--lora-target-modules", "--use-rslora"):
         assert flag in flags, flag
 
 

@@ -19,6 +19,8 @@ Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_
   default: scored at T=1 whatever the request asks; `*_logits` return unnormalised logits), `--no-tool-parser` (no
   `--enable-auto-tool-choice`: vLLM's 400 for a tool request), `--no-dev-mode` (no VLLM_SERVER_DEV_MODE: the dev
   routes, /server_info and the weight sync ones, are 404), `--no-weight-transfer` (no `--weight-transfer-config`).
+  `--enable-lora` only reports what vLLM's `--enable-lora --max-lora-rank 16` reports (a `lora_config` in
+  /server_info; null otherwise, as vLLM's); it serves no adapter.
 * The TRL control plane (`/health`, `/v1/models`, `/server_info`, `/get_world_size`, `/pause`, `/resume`, the weight
   update calls) answers as vLLM's does (`/server_info?config_format=json`: the resolved config's JSON dump, with
   `model_config.dtype` as `torch.<dtype>` and `model_config.logprobs_mode`); the NCCL receive is replaced by
@@ -86,11 +88,13 @@ class HTTPError(Exception):
 
 class Engine:
     def __init__(self, model_dir, served_name, policy, token_ids=True, max_model_len=32768,
-                 logprobs_mode="processed_logprobs", tool_parser=True, weight_transfer=True, dtype="auto"):
+                 logprobs_mode="processed_logprobs", tool_parser=True, weight_transfer=True, dtype="auto",
+                 enable_lora=False):
         self.model_dir, self.served_name = str(model_dir), served_name
         self.logprobs_mode, self.tool_parser, self.weight_transfer = logprobs_mode, tool_parser, weight_transfer
         # vLLM's context length: the trainer's default token budget per micro-batch, so it decides samples per step.
         self.max_model_len = max_model_len
+        self.enable_lora = enable_lora
         self.policy, self.token_ids = policy, token_ids
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.dtype = resolve_dtype(dtype, AutoConfig.from_pretrained(model_dir).dtype)
@@ -268,7 +272,9 @@ class Engine:
         config = {"model_config": {
             "model": self.model_dir, "served_model_name": self.served_name, "dtype": str(self.dtype),
             "max_model_len": self.max_model_len, "logprobs_mode": self.logprobs_mode},
-            "weight_transfer_config": {"backend": "nccl"} if self.weight_transfer else None}
+            "weight_transfer_config": {"backend": "nccl"} if self.weight_transfer else None,
+            "lora_config": {"max_lora_rank": 16, "max_loras": 1, "max_cpu_loras": None, "lora_dtype": "auto",
+                            "fully_sharded_loras": False} if self.enable_lora else None}
         json_format = "config_format=json" in query
         return {"vllm_config": config if json_format else repr(config),
                 "vllm_env": {"VLLM_SERVER_DEV_MODE": True}, "system_env": {"torch_version": torch.__version__}}
@@ -412,12 +418,13 @@ def main(argv=None) -> None:
     parser.add_argument("--no-tool-parser", action="store_true")
     parser.add_argument("--no-dev-mode", action="store_true")
     parser.add_argument("--no-weight-transfer", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true")
     args = parser.parse_args(argv)
     policy = json.load(open(args.policy)) if args.policy else {}
     torch.set_num_threads(1)  # the trainer shares this CPU; a tiny model gains nothing from more threads
     engine = Engine(args.model_dir, args.served_name, policy, not args.no_token_ids,
                     args.max_model_len, args.logprobs_mode, not args.no_tool_parser, not args.no_weight_transfer,
-                    args.dtype)
+                    args.dtype, args.enable_lora)
     server = ThreadingHTTPServer((args.host, args.port), _handler(engine, not args.no_dev_mode))
     print(f"stand-in engine serving {args.served_name} on http://{args.host}:{server.server_port}", flush=True)
     server.serve_forever()
