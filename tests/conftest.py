@@ -37,7 +37,8 @@ SCRIPT = ROOT / "async_grpo_harbor.py"
 SERVED_NAME = "tiny-qwen3"
 # Solve rates of the stand-in engine's scripted policy: one task always solved, one never, two in exactly half of
 # their rollouts (tests/rig/engine.py), so every group of a coin task varies.
-POLICY = {"tasks": {"echo-hello": 1.0, "never": 0.0, "coin": 0.5, "coin2": 0.5}, "answers": {"echo-hello": "hello"}}
+POLICY = {"tasks": {"echo-hello": 1.0, "never": 0.0, "coin": 0.5, "coin2": 0.5}, "answers": {"echo-hello": "hello"},
+          "choices": {"choose": ["cat", "dog", "fox", "tag"]}}
 # Credentials users hold; the trainer and the Harbor server get them, and nothing the run prints or writes may
 # show them.
 SECRETS = {"E2B_API_KEY": "e2b_fake4f2a9c1d77", "HF_TOKEN": "hf_fake8812bb0c3e", "OPENAI_API_KEY": "sk-fake19e0aa77"}

@@ -9,7 +9,6 @@ would sync the adapter under names the capture proxy never asks for) is refused 
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.request
 
 import pytest

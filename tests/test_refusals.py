@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SCRIPT, free_port, load_script, run_main, run_script, script_env
+from conftest import RIG, SCRIPT, free_port, load_script, run_main, run_script, script_env
+
+RIG_TASKS = sum(1 for task in (RIG / "tasks").iterdir() if (task / "task.toml").is_file())
 
 
 def assert_refused(proc, *needles: str) -> None:
@@ -64,7 +66,7 @@ def test_unreachable_harbor_server(rig, tmp_path):
     (["--harness", "mini-swe-agnt"], ["unknown harness 'mini-swe-agnt'", "this server has: mini-swe-agent,"]),
     (["--sandbox", "locl"], ["unknown sandbox 'locl'", "this server has: local,"]),
     (["--tasks", "coin,coin3"], ["--tasks: no task named 'coin3'", "did you mean coin"]),
-    (["--tasks", "0-2,9"], ["--tasks: task index 9 is out of range", "5 tasks"]),
+    (["--tasks", "0-2,99"], ["--tasks: task index 99 is out of range", f"{RIG_TASKS} tasks"]),
     (["--tasks", "@missing.txt"], ["cannot read missing.txt"]),
     (["--dataset", "some/other-suite"], ["does not serve 'some/other-suite'"]),
     (["--model", "Qwen/Qwen3-4B-Instruct-2507"], ["vLLM serves", "but --model is Qwen/Qwen3-4B-Instruct-2507"]),
@@ -81,7 +83,7 @@ def test_unknown_names_are_refused_with_the_valid_ones(rig, tmp_path, args, need
 
 
 @pytest.mark.parametrize("content, needles", [
-    ("# curated\ncoin\necho-hello  # always solved\n5\n", ["tasks.txt:4: task index 5 is out of range"]),
+    ("# curated\ncoin\necho-hello  # always solved\n99\n", ["tasks.txt:4: task index 99 is out of range"]),
     ("coin\n\nthis is not a task\n", ["tasks.txt:3: no task named 'this is not a task'"]),
     ("# nothing but comments\n\n", ["tasks.txt lists no tasks"]),
 ])

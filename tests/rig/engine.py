@@ -39,9 +39,11 @@ Policy (`--policy`, JSON; every key optional):
                                        # the one it sampled from
      "hold_from_weight_version": 3,  # from the 3rd weight load on, chat requests wait until a policy without
                                      # this key is set: rollouts stall, so the trainer waits for them
-     "agent_end": {"coin": "hang", "coin2": "exit"}}  # after turn 0, instead of submitting: "hang" runs `sleep`
+     "agent_end": {"coin": "hang", "coin2": "exit"},  # after turn 0, instead of submitting: "hang" runs `sleep`
                                      # until Harbor's agent timeout, "exit" kills the agent (a non-zero agent exit);
                                      # Harbor's verifier still scores the answer turn 0 wrote
+     "choices": {"choose": ["cat", "dog", "fox", "tag"]},  # the MODEL decides these tasks' answers (below)
+     "seed": 0}                                             # of the engine's sampling of those choices
 
 A conversation names its task with a `rig-task: NAME` marker anywhere in a user message (put it in the Harbor
 task's instruction; mini-swe-agent embeds the instruction in its first user message). With tools offered, the
@@ -53,6 +55,14 @@ call of a task this engine answers (counted from 0, across every run it serves) 
 floor(n p). At p = 0.5 that alternates, so any 2m consecutive turn-0 calls of a task hold exactly m solves: an eval's
 k rollouts of a task (run alone on its engine) give an exact pass rate, and a GRPO group of 2 or 4 gets exactly half
 when no other first call of the task lands between its own.
+
+A task listed under `choices` is decided by the model itself, under the weights the trainer last pushed: its turn-0
+candidates are the same call writing each listed answer, each scored by its sequence logprob under the served model
+at the request's temperature; one is sampled from those probabilities renormalised over the candidates (the argmax
+when the request is greedy), and its ids come back with the model's per-token logprobs, like any other reply. The
+engine never knows which answer is right; the task's verifier does. Later turns stay scripted (submit).
+`/stand_in/stats` records each such call's candidate probabilities (`choice`), so a test can read what the policy
+would choose under each weight version without sampling noise.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import re
 import shlex
 import threading
@@ -107,6 +118,7 @@ class Engine:
         self.weight_version = 0
         self.n_requests = 0
         self.rollouts_by_task: dict[str, int] = {}
+        self.rng = random.Random(policy.get("seed", 0))  # samples the model's own choices (`choices`)
         self.requests: list[dict] = []
         self.control_calls: dict[str, int] = {}
 
@@ -140,23 +152,40 @@ class Engine:
                                  f"maximum context length is {self.max_model_len} tokens and your request has "
                                  f"{len(prompt_ids)} input tokens ({min(caps)} > {self.max_model_len} - "
                                  f"{len(prompt_ids)}).")
-        decision, reply = self._script(messages, tools, index)  # after the refusal: a refused call solves nothing
-        completion_ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_id]
+        # After the refusal: a refused call solves nothing. More than one reply: the candidates the model chooses from.
+        decision, replies = self._script(messages, tools, index)
+        full = [self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_id] for reply in replies]
         cap = min(caps + [room])
-        truncated = len(completion_ids) > cap
-        completion_ids = completion_ids[:cap]
-        text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
+        candidates = [ids[:cap] for ids in full]
 
         temperature = body.get("temperature")
-        score_t = (1.0 if temperature is None or temperature < GREEDY_EPS or self.logprobs_mode.startswith("raw")
+        greedy = temperature is None or temperature < GREEDY_EPS
+        score_t = (1.0 if greedy or self.logprobs_mode.startswith("raw")
                    else float(temperature)) + self.policy.get("score_temperature_offset", 0.0)
         # vLLM fills logprobs.content only when top_logprobs is set (SamplingParams.logprobs = top_logprobs).
         want_logprobs = self.token_ids and body.get("logprobs") and body.get("top_logprobs") is not None
         self.running.wait()
+        pick, chosen = 0, None
         with self.model_lock:
             version = self.weight_version
-            logprobs = (self._logprobs(prompt_ids, completion_ids, score_t, body["top_logprobs"])
+            scored = len(candidates) > 1 or want_logprobs
+            logits = [self._logits(prompt_ids, ids) for ids in candidates] if scored else []
+            if len(candidates) > 1:
+                # The model decides, as vLLM's sampler would at the request's temperature, by the candidates' sequence
+                # probabilities renormalised over them.
+                t = 1.0 if greedy else float(temperature)
+                sequence = torch.tensor([
+                    float(torch.log_softmax(rows / t, dim=-1).gather(1, torch.tensor(ids)[:, None]).sum())
+                    for rows, ids in zip(logits, candidates)])
+                probs = torch.softmax(sequence, 0).tolist()
+                pick = int(sequence.argmax()) if greedy else self.rng.choices(range(len(probs)), weights=probs)[0]
+                chosen = {"task": decision[0], "answers": decision[1], "probs": probs, "pick": pick}
+                decision = f"choice:{decision[0]}"
+            completion_ids = candidates[pick]
+            logprobs = (self._logprobs(logits[pick], completion_ids, score_t, body["top_logprobs"])
                         if want_logprobs else None)
+        truncated = len(full[pick]) > cap
+        text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
 
         content, tool_calls = _hermes(text, index) if tools else (text, [])
         finish = "length" if truncated else ("tool_calls" if tool_calls else "stop")
@@ -174,14 +203,15 @@ class Engine:
         with self.state_lock:
             self.requests.append({
                 "index": index, "sampling": {k: body[k] for k in SAMPLING_KEYS if k in body},
-                "score_temperature": score_t, "weight_version": version, "script": decision,
+                "score_temperature": score_t, "weight_version": version, "script": decision, "choice": chosen,
                 "prompt_tokens": len(prompt_ids), "completion_tokens": len(completion_ids), "finish_reason": finish})
         return response
 
-    def _script(self, messages, tools, index) -> tuple[str, str]:
-        """(decision, completion text). Only turn 0 decides, so one rollout never mixes solve and fail."""
+    def _script(self, messages, tools, index) -> tuple[str | tuple, list[str]]:
+        """(decision, completion texts): one text, or for a task in `choices` the candidates the model chooses from
+        (decision: (task, answers)). Only turn 0 decides, so one rollout never mixes solve and fail."""
         if not tools:
-            return "reply", "ok"
+            return "reply", ["ok"]
         policy = self.policy
         user_text = "\n".join(m["content"] for m in messages if m.get("role") == "user"
                               and isinstance(m.get("content"), str))
@@ -191,24 +221,27 @@ class Engine:
             end = policy.get("agent_end", {}).get(task)
             # mini-swe-agent runs each command in a shell it spawns: $PPID is the agent itself.
             command = {"hang": "sleep 3600", "exit": "kill -9 $PPID"}.get(end, SUBMIT)
-            return end or "submit", _tool_call_text(command)
+            return end or "submit", [_tool_call_text(command)]
+        path = policy.get("answer_file", "/app/answer.txt")
+        if task in policy.get("choices", {}):
+            answers = policy["choices"][task]
+            return (task, answers), [_tool_call_text(_write_command(answer, path)) for answer in answers]
         p_solve = policy.get("tasks", {}).get(task, policy.get("default", 0.5))
         with self.state_lock:
             n = self.rollouts_by_task.get(task, 0)
             self.rollouts_by_task[task] = n + 1
         solve = math.floor((n + 1) * p_solve) > math.floor(n * p_solve)
         answer = policy.get("answers", {}).get(task, task) if solve else policy.get("wrong_answer", "wrong")
-        path = policy.get("answer_file", "/app/answer.txt")
-        command = (f"mkdir -p {shlex.quote(str(PurePosixPath(path).parent))} && "
-                   f"printf '%s\\n' {shlex.quote(answer)} > {shlex.quote(path)}")
-        return f"{'solve' if solve else 'fail'}:{task}", _tool_call_text(command)
+        return f"{'solve' if solve else 'fail'}:{task}", [_tool_call_text(_write_command(answer, path))]
 
-    def _logprobs(self, prompt_ids, completion_ids, temperature, top_k) -> dict:
-        ids = torch.tensor([prompt_ids + completion_ids])
+    def _logits(self, prompt_ids, completion_ids):
+        """The model's logits at each completion position, in float32: vLLM's sampler works in float32 on logits the
+        model computed in its serving dtype."""
         with torch.no_grad():
-            logits = self.model(ids).logits[0, len(prompt_ids) - 1: -1]
-        # vLLM's sampler works in float32 on logits the model computed in its serving dtype.
-        logprobs = logits.float() / temperature
+            return self.model(torch.tensor([prompt_ids + completion_ids])).logits[0, len(prompt_ids) - 1: -1].float()
+
+    def _logprobs(self, logits, completion_ids, temperature, top_k) -> dict:
+        logprobs = logits / temperature
         if self.logprobs_mode.endswith("logprobs"):
             logprobs = torch.log_softmax(logprobs, dim=-1)
         k = logprobs.shape[-1] if top_k == -1 else min(int(top_k), logprobs.shape[-1])
@@ -310,6 +343,11 @@ def _vllm_messages(messages: list) -> list:
             message["tool_calls"] = calls
         out.append(message)
     return out
+
+
+def _write_command(answer: str, path: str) -> str:
+    return (f"mkdir -p {shlex.quote(str(PurePosixPath(path).parent))} && "
+            f"printf '%s\\n' {shlex.quote(answer)} > {shlex.quote(path)}")
 
 
 def _tool_call_text(command: str) -> str:

@@ -1,6 +1,13 @@
 """A tiny random Qwen3 causal LM and a locally trained tokenizer, built without the hub.
 
-    python tests/rig/tiny_model.py OUT_DIR     # no-op when OUT_DIR already holds this exact build
+    python tests/rig/tiny_model.py OUT_DIR [--interchangeable cat,dog,fox,tag]
+                                               # no-op when OUT_DIR already holds this exact build
+
+--interchangeable W1,W2,...: the tokens " W1", " W2", ... get one input embedding and one output row, so the model
+cannot tell them apart until training does: any completions that differ only in which of them they hold have
+exactly equal probabilities under the initial weights, whatever the prompt. The learning test's choice starts at
+chance that way: mini-swe-agent's system prompt carries the machine's `uname`, which moves a random model's sequence
+logprobs by nats from one machine to the next, so no fixed set of ordinary tokens starts near equal everywhere.
 
 The chat template is TRL's own `qwen3_instruct_2507` string, byte for byte: TRL recognises templates by string
 equality (`add_response_schema`, `get_training_chat_template`), so a look-alike would be rejected. The no-think
@@ -134,19 +141,20 @@ def _chat_template() -> str:
     return qwen3_instruct_2507_chat_template
 
 
-def is_built(out_dir) -> bool:
+def is_built(out_dir, interchangeable: tuple[str, ...] = ()) -> bool:
     out = Path(out_dir)
     try:
         stamp = json.loads((out / STAMP).read_text())
     except (OSError, ValueError):
         return False
-    return stamp.get("recipe") == RECIPE and all((out / name).is_file() for name in FILES)
+    return (stamp.get("recipe") == RECIPE and stamp.get("interchangeable", []) == list(interchangeable)
+            and all((out / name).is_file() for name in FILES))
 
 
-def build(out_dir) -> Path:
+def build(out_dir, interchangeable: tuple[str, ...] = ()) -> Path:
     """Build into `out_dir` unless it already holds this recipe's build; returns the directory."""
     out = Path(out_dir)
-    if is_built(out):
+    if is_built(out, interchangeable):
         return out
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -190,15 +198,24 @@ def build(out_dir) -> Path:
         # tells processed from raw logprobs by how that gap scales with temperature, and reads a flat model as
         # "unknown".
         model.lm_head.weight.mul_(LOGIT_SCALE)
+        ids = []
+        for word in interchangeable:
+            encoded = tokenizer.encode(f" {word}", add_special_tokens=False)
+            if len(encoded) != 1:
+                raise SystemExit(f"error: ' {word}' is {len(encoded)} tokens in this vocabulary; pick single tokens")
+            ids += encoded
+        for weight in (model.model.embed_tokens.weight, model.lm_head.weight) if ids else ():
+            weight[ids] = weight[ids[0]].clone()
     # No sampling defaults: vLLM would adopt them as the server's default temperature/top_p/top_k.
     model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / STAMP).write_text(json.dumps({"recipe": RECIPE, "vocab_size": len(tokenizer)}))
+    (out / STAMP).write_text(json.dumps({"recipe": RECIPE, "vocab_size": len(tokenizer),
+                                         "interchangeable": list(interchangeable)}))
     return out
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python tests/rig/tiny_model.py OUT_DIR")
-    print(build(sys.argv[1]))
+    if len(sys.argv) not in (2, 4) or len(sys.argv) == 4 and sys.argv[2] != "--interchangeable":
+        sys.exit("usage: python tests/rig/tiny_model.py OUT_DIR [--interchangeable W1,W2,...]")
+    print(build(sys.argv[1], tuple(sys.argv[3].split(",")) if len(sys.argv) == 4 else ()))

@@ -1,0 +1,141 @@
+"""It learns: the script, through the whole chain (the real Harbor server and capture proxy, mini-swe-agent, Harbor's
+verifier, TRL's worker and trainer, weight pushes to the engine), raises a policy's solve rate on a task well beyond
+chance. A sign error, a mask on the wrong turn, a push that lands elsewhere or a reward read from the wrong key
+leaves it at chance, and this test fails.
+
+What is sampled, and why it is the policy's own choice: the rig's engine lets the MODEL decide the `choose` task
+(tests/rig/engine.py, `choices`). On the agent's first turn it scores four candidate completions, the same `bash`
+tool call writing cat, dog, fox or tag to /app/answer.txt, by their sequence probabilities under the weights the
+trainer last pushed, at the request's temperature; it samples one from those probabilities renormalised over the
+four and returns its token ids with the model's real per-token logprobs. The verifier rewards `fox` only. The agent's
+later turn (submit) stays scripted. Renormalising over candidates does not change GRPO's gradient: within a group
+every rollout shares the prompt, so log q(c) = log p(c) - log Z differs from the model's log p(c) by a term common to
+the group, and the group's advantages sum to zero, so that term drops out of sum_i A_i * grad log q(c_i).
+
+The start is chance exactly: the four answer tokens are interchangeable in the initial weights (tests/rig/
+tiny_model.py --interchangeable), so each candidate starts at probability 1/4 whatever the prompt (mini-swe-agent's
+system prompt carries the machine's `uname`, which moves a random model's sequence logprobs by nats).
+
+The run is the script's defaults except what a tiny model on two CPU cores needs: a high learning rate, few steps,
+groups of 4, one group per optimizer step (--token-budget 0 --per-device-train-batch-size 4
+--micro-batches-per-step 1), and zero-variance groups trained rather than kept out (--max-zero-variance-groups 0):
+once the policy solves the task, a group that fails once becomes rare, and the trainer would wait for it.
+
+The bound: the rollouts folded into the last LAST_STEPS optimizer steps (those that finished since the step before),
+and any that finished after the last one, are n draws; the test asserts at least k solves, the fewest a policy still
+at its starting rate of 1/4 reaches with probability < 1e-3 (`chance_bound`): n = 12 gives k = 9 (75%), at a chance
+of 3.9e-4. The engine samples with a fixed seed, so the early draws repeat from run to run. Measured on the rig
+(bench/results/2026-12-02-cpu-learning.*): 1/9 solved at step 1, 12/12 over the last 3 of 6 steps, the model's
+probability of `fox` 0.25 -> 0.95. The control, AGH_LEARNING_RATE=0 (the same run with --learning-rate 0), stays at
+0.25 and fails the bound (3/12).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import POLICY, RIG, Rig, log_history, run_script
+
+TASK = "choose"
+ANSWERS = POLICY["choices"][TASK]
+RIGHT = "fox"  # what tests/rig/tasks/choose/tests/test.sh rewards
+LEARNING_RATE = os.environ.get("AGH_LEARNING_RATE", "5e-3")  # "0": the control, which must fail
+STEPS = 6
+LAST_STEPS = 3
+GROUP = 4
+CHANCE = 1 / len(ANSWERS)
+TAIL = 1e-3
+
+
+def chance_bound(n: int, p: float = CHANCE, tail: float = TAIL) -> int:
+    """The fewest solves among n rollouts that a policy solving with probability p reaches with probability < tail."""
+    def at_least(k: int) -> float:
+        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+    return next(k for k in range(n + 1) if at_least(k) < tail)
+
+
+def learning_args(rig: Rig, out: Path, lr: str = LEARNING_RATE, steps: int = STEPS) -> list[str]:
+    return [*rig.base_args(), "--tasks", TASK, "--num-generations", str(GROUP), "--max-inflight", str(GROUP),
+            "--learning-rate", lr, "--max-steps", str(steps), "--save-steps", str(steps),
+            "--token-budget", "0", "--per-device-train-batch-size", str(GROUP), "--micro-batches-per-step", "1",
+            "--max-zero-variance-groups", "0", "--output-dir", str(out)]
+
+
+def build_choice_model(cache: Path) -> Path:
+    """The rig's tiny model with the four answers interchangeable, built once per recipe under `cache`."""
+    recipe = hashlib.sha256((RIG / "tiny_model.py").read_bytes() + ",".join(ANSWERS).encode()).hexdigest()[:16]
+    model = cache / f"tiny-qwen3-choice-{recipe}"
+    subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(model), "--interchangeable", ",".join(ANSWERS)],
+                   check=True)
+    return model
+
+
+def solve_rates_per_step(out: Path) -> tuple[list[list[dict]], list[dict]]:
+    """rollouts.jsonl split by optimizer step: the rollouts each step folded in (those that finished since the
+    previous step, `harbor/rollouts` in its log), and those that finished after the last step."""
+    records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines() if line.strip()]
+    steps, start = [], 0
+    for entry in log_history(out):
+        n = int(entry["harbor/rollouts"])
+        steps.append(records[start:start + n])
+        start += n
+    return steps, records[start:]
+
+
+def solved(records: list[dict]) -> int:
+    return sum(r["error"] is None and r["reward"] > 0 for r in records)
+
+
+@pytest.fixture(scope="module")
+def choice_model(tmp_path_factory) -> Path:
+    return build_choice_model(Path(os.environ.get("AGH_CACHE_DIR") or tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def learning_run(choice_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("learning")
+    rig = Rig(work / "rig", choice_model, [])
+    try:
+        proc = run_script(learning_args(rig, work / "out"), cwd=work)
+        choices = [c for c in rig.engine_stats()["chat"] if c["choice"]]
+    finally:
+        rig.stop()
+    return proc, work / "out", choices
+
+
+def test_the_policys_choice_starts_at_chance(learning_run):
+    _, _, choices = learning_run
+    first = min(c["weight_version"] for c in choices)
+    assert first <= 1, "no choice was made under the initial weights"  # 1: TRL's push at start, the same weights
+    initial = [c["choice"]["probs"] for c in choices if c["weight_version"] == first]
+    assert initial and all(p == pytest.approx([CHANCE] * len(ANSWERS), abs=1e-6) for p in initial), initial[0]
+    assert {c["choice"]["answers"] == ANSWERS for c in choices} == {True}
+
+
+def test_solve_rate_rises_well_beyond_chance(learning_run):
+    proc, out, choices = learning_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps, after = solve_rates_per_step(out)
+    assert len(steps) == STEPS
+    right = ANSWERS.index(RIGHT)
+    by_version = {}
+    for c in choices:
+        by_version.setdefault(c["weight_version"], c["choice"]["probs"][right])
+    print("solve rate per step:", " ".join(f"{solved(s)}/{len(s)}" for s in steps), f"after: {solved(after)}/"
+          f"{len(after)}; the model's probability of {RIGHT!r} per weight version:",
+          {v: round(p, 3) for v, p in sorted(by_version.items())})
+    assert max(by_version) > min(by_version), "every choice was made under one weight version: no push landed"
+    last = [r for s in steps[-LAST_STEPS:] for r in s] + after
+    assert all(r["error"] is None for r in last), [r["failure"] for r in last if r["error"]]
+    # n >= 12 draws, so the bound means "well beyond chance": at least 9 of 12 (75%), 11 of 16, 12 of 20.
+    assert len(last) >= LAST_STEPS * GROUP
+    k = chance_bound(len(last))
+    assert solved(last) >= k, (f"{solved(last)}/{len(last)} solved in the last {LAST_STEPS} steps; a policy still at "
+                               f"chance ({CHANCE}) reaches {k} with probability < {TAIL}")
