@@ -1959,8 +1959,21 @@ def resolve_resume(args: argparse.Namespace) -> str | None:
 
 
 def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | None:
-    """A LoRA checkpoint resumed without --use-peft, or full weights with it: transformers would load nothing."""
-    if checkpoint is None or args.use_peft == (Path(checkpoint) / "adapter_config.json").is_file():
+    """A LoRA checkpoint resumed without --use-peft, or full weights with it: transformers would load nothing. Or one
+    of other --lora-* flags: PEFT loads the weights into the adapter the flags built without reading the saved config,
+    so another rank fails on shapes and another alpha silently rescales every push."""
+    saved = Path(checkpoint or "") / "adapter_config.json"
+    if checkpoint is not None and args.use_peft and saved.is_file():
+        config = json.loads(saved.read_text())
+        flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
+        if args.lora_target_modules and args.lora_target_modules != ["all-linear"]:  # PEFT saves all-linear resolved
+            flags["target_modules"] = sorted(args.lora_target_modules)
+            config["target_modules"] = sorted(config.get("target_modules") or [])
+        differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
+                  if config.get(key) != value]
+        return (f"{checkpoint} holds an adapter of another shape: {', '.join(differ)}; resume with the run's "
+                "--lora-* flags") if differ else None
+    if checkpoint is None or args.use_peft == saved.is_file():
         return None
     if args.use_peft:
         return (f"{checkpoint} holds full weights, not a LoRA adapter: resume it without --use-peft, or start a "

@@ -46,9 +46,12 @@ flag_value() {
   return $found
 }
 
-# The script's own default for a flag, read from its argparse line, so it is written down in one place only.
+# The script's own default for a flag, read from its dataclass field (`model: str = arg("...",`), so it is written
+# down in one place only.
 script_default() {
-  sed -n "s/.*add_argument(\"$1\", default=\"\([^\"]*\)\".*/\1/p" "$SCRIPT" | head -n 1
+  local name=${1#--}
+  name=${name//-/_}
+  sed -n "s/^ *$name: [^=]*= arg(\"\([^\"]*\)\".*/\1/p" "$SCRIPT" | head -n 1
 }
 
 # The model vLLM serves must be the model the trainer trains: both come from the script's --model.

@@ -165,6 +165,10 @@ def test_lora_checkpoints_are_resumable_and_refused_without_use_peft(lora_runs, 
     proc = run_main(["--output-dir", str(out), "--resume", "--vllm-url", dead, "--harbor-url", dead, "--check"],
                     cwd=tmp_path)
     assert proc.returncode == 2 and "holds a LoRA adapter: resume it with --use-peft" in proc.stdout
+    # nor with another rank: PEFT would load it into the adapter the flags built (a shape error, or another scaling)
+    proc = run_main(["--output-dir", str(out), "--resume", "--vllm-url", dead, "--harbor-url", dead, "--check",
+                     "--use-peft", "--lora-r", "4", "--lora-target-modules", "all-linear"], cwd=tmp_path)
+    assert proc.returncode == 2 and "holds an adapter of another shape: r 8 (flags: 4)" in proc.stdout
 
 
 def test_an_enable_lora_engine_is_refused_before_any_weights_load(make_rig, tmp_path):
