@@ -1227,8 +1227,9 @@ def harbor_environment_types() -> set[str]:
 
 
 def endpoint(url: str) -> tuple[str | None, int | None]:
+    # Names are compared as given: this host cannot tell the server's localhost from ours (--allow-engine-mismatch).
     parts = urllib.parse.urlsplit(url)
-    return {"localhost": "127.0.0.1"}.get(parts.hostname, parts.hostname), parts.port
+    return parts.hostname, parts.port
 
 
 def http_json(url: str, timeout: float = 10.0) -> Any:

@@ -99,7 +99,8 @@ def vllm_serve(command: str) -> tuple[set[str], list[str]]:
 
 def help_default(flag: str) -> str:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=300)
-    entry = next(e for e in re.split(r"\n(?=  -)", proc.stdout) if re.match(rf"  {flag}\b", e))
+    # TrlParser lists each flag as `--name_with_underscores X, --name-with-dashes X`
+    entry = next(e for e in re.split(r"\n(?=  -)", proc.stdout) if re.match(rf"  (\S+ \S+, )?{flag}\b", e))
     return re.search(r"\(default: ([^)]*)\)", " ".join(entry.split()))[1]
 
 
