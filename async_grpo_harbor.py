@@ -1484,33 +1484,28 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
                    f"{dtype} spacing at |w| = {typical} ({half_step:.1e})")
     if (problem := model_shape_error(args)) is not None:
         pf.add("checkpoints", SKIP, f"size unknown: {problem}")
-    elif writable and dtype is not None and args.use_peft:
-        params, adapter = model_shape(args.model)[0], adapter_params(args)
-        width = torch.finfo(getattr(torch, dtype)).bits // 8
-        # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
-        facts["checkpoint_bytes"] = size = adapter * 4 * 3
-        kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
-        merged = params * width  # <output dir>/merged, written once at the end
-        peak = (kept + 1) * size + merged
-        free = shutil.disk_usage(args.output_dir).free
-        detail = (f"~{human_bytes(size)} each ({adapter / 1e6:.2f} M adapter params x 12 B: float32 adapter + 2 "
-                  f"AdamW moments); {kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written, and "
-                  f"the merged model at the end ({human_bytes(merged)}) = {human_bytes(peak)}; {human_bytes(free)} "
-                  f"free in {args.output_dir}")
-        pf.add("checkpoints", WARN if free < peak else PASS, detail,
-               "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
     elif writable and dtype is not None:
         params = model_shape(args.model)[0]
         width = torch.finfo(getattr(torch, dtype)).bits // 8
-        # transformers saves the weights and torch's AdamW state (two moments) in the weights' dtype.
-        facts["checkpoint_bytes"] = size = params * width * 3
         kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
-        peak = (kept + 1) * size  # the oldest goes only once the newest is complete
         free = shutil.disk_usage(args.output_dir).free
-        count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
-        detail = (f"~{human_bytes(size)} each ({count} params x {3 * width} B: {dtype} weights + 2 AdamW "
-                  f"moments); {kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written = "
-                  f"{human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
+        written = f"{kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written"
+        if args.use_peft:
+            # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
+            adapter = adapter_params(args)
+            facts["checkpoint_bytes"] = size = adapter * 4 * 3
+            merged = params * width  # <output dir>/merged, written once at the end
+            peak = (kept + 1) * size + merged
+            detail = (f"~{human_bytes(size)} each ({adapter / 1e6:.2f} M adapter params x 12 B: float32 adapter + 2 "
+                      f"AdamW moments); {written}, and the merged model at the end ({human_bytes(merged)}) = "
+                      f"{human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
+        else:
+            # transformers saves the weights and torch's AdamW state (two moments) in the weights' dtype.
+            facts["checkpoint_bytes"] = size = params * width * 3
+            peak = (kept + 1) * size  # the oldest goes only once the newest is complete
+            count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
+            detail = (f"~{human_bytes(size)} each ({count} params x {3 * width} B: {dtype} weights + 2 AdamW "
+                      f"moments); {written} = {human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
         pf.add("checkpoints", WARN if free < peak else PASS, detail,
                "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
     check_trainer_gpus(pf)
