@@ -72,7 +72,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -572,7 +571,7 @@ class ServerFull(RuntimeError):
 
 
 class Failure(NamedTuple):
-    """Why a rollout is unscorable: `kind` is the countable name (`harbor/errors/<kind>`), `message` the reason."""
+    """Why a rollout is unscorable: `kind` is the countable name (`harbor/errors/<kind>_total`), `message` the reason."""
 
     kind: str
     message: str
@@ -785,7 +784,6 @@ class HarborSession(ResourceSession):
         self.harness = prompt[0].get("harbor_harness") or factory.harness
         self.group = group
         self.label = f"{factory.label} {group} task {self._task_index} ({self.task_name})"
-        self.score: RolloutScore | None = None
         self._client = HarborServerSession(factory.harbor_url, factory.request_timeout_s)
         self.result: HarborRolloutResult | None = None
         self.failure: Failure | None = None
@@ -865,11 +863,6 @@ class HarborSession(ResourceSession):
             except (ValueError, TypeError, KeyError) as exc:
                 # One malformed capture is this rollout's problem, not the run's: TRL stops its worker on any of these.
                 self.failure = Failure("capture", f"capture rejected: {exc}")
-            else:
-                if self._factory.reward_fn is not None:
-                    # What TRL's rollout reward will be, so the group accounting shapes the rewards it trains on.
-                    self.score = self._factory.reward_fn(
-                        types.SimpleNamespace(env_reward=self.result.reward, trace=trace.turns, tool_call_count=0))
         self._factory.record_outcome(self)
         return TrainingTrace(turns=[]) if self.failure is not None else trace
 
@@ -896,18 +889,18 @@ class HarborSessionFactory(ResourceSessionFactory):
     def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
                  agent_timeout_s: float, max_consecutive_failures: int, retry_window_s: float = 300.0,
                  sampling: dict[str, Any] | None = None, require_tokens: bool = True, record_path: str = "",
-                 reward_fn: Any = None, eval_sampling: dict[str, Any] | None = None, label: str = "group"):
+                 eval_sampling: dict[str, Any] | None = None, label: str = "group", split_by_harness: bool = False):
         self.harbor_url, self.harness, self.sandbox, self.reward_key = harbor_url, harness, sandbox, reward_key
         self.agent_step_limit, self.agent_timeout_s = agent_step_limit, agent_timeout_s
         self.request_timeout_s, self.retry_window_s = rollout_budget_s(agent_timeout_s), retry_window_s
-        self.max_consecutive_failures, self.reward_fn = max_consecutive_failures, reward_fn
+        self.max_consecutive_failures, self.split_by_harness = max_consecutive_failures, split_by_harness
         self.sampling = dict(sampling or {})
         # False for --eval-only: a rollout of an engine without token ids is measurable, just not trainable.
         self.require_tokens = require_tokens
         self.eval_sampling = dict(eval_sampling or {})
         self.label = label  # what a rollout's console line calls its unit: a training group, a held-out eval's task
-        # One JSON line per finished rollout, for the trainer's accounting and for the user to read.
-        self.record_path = record_path
+        self.record_path = record_path  # one JSON line per finished rollout, for the user to read
+        self.metrics_queue: Any = None  # TRL's, set by the rollout loop that owns this factory in TRL's child
         self._lock = threading.Lock()
         self._consecutive_failures = 0
         self._outage_since: float | None = None  # since when the server has not answered (monotonic)
@@ -988,6 +981,7 @@ class HarborSessionFactory(ResourceSessionFactory):
             self._consecutive_failures = 0 if failure is None else self._consecutive_failures + 1
             count = self._consecutive_failures
         self._write_record(session)
+        self._push_metrics(session)
         retried = f", restarted {session.retries}x in a new session" if session.retries else ""
         if failure is None:
             phases = "".join(f", {name} {seconds:.1f}s" for name, seconds in r.phase_timings.items())
@@ -1016,7 +1010,6 @@ class HarborSessionFactory(ResourceSessionFactory):
             "time": time.time(), "group": session.group, "task": session.task_name,
             "index": session._task_index, "harness": session.harness, "sandbox": self.sandbox,
             "reward": r.reward if r is not None and failure is None else None,
-            "efficiency": session.score.efficiency if failure is None and session.score else None,
             "turns": r.n_turns if r is not None else 0, "wall_s": r.wall_s if r is not None else 0.0,
             "budget_stops": r.budget_stop_count if r is not None else 0,
             "phases": dict(r.phase_timings) if r is not None else {},
@@ -1027,6 +1020,31 @@ class HarborSessionFactory(ResourceSessionFactory):
         }
         with self._lock, open(self.record_path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def _push_metrics(self, session: HarborSession) -> None:
+        """This rollout's figures, onto TRL's metric queue, which the trainer drains into each optimizer step's log
+        and reduces by name: a `_total` summed over the step, a (numerator, denominator) pair as a rate."""
+        if self.metrics_queue is None:
+            return
+        r, failure = session.result, session.failure
+        m = {"harbor/rollouts_total": 1.0, "harbor/errors_total": float(failure is not None),
+             "harbor/sandbox_s_total": r.wall_s if r is not None else 0.0,
+             "harbor/budget_stops_total": float(r.budget_stop_count) if r is not None else 0.0}
+        if failure is not None:
+            m[f"harbor/errors/{failure.kind}_total"] = 1.0
+        else:  # TRL's rollout/turns_mean and rollout/duration_s also average the unscorable rollouts, at 0 turns
+            m |= {"harbor/solve_rate": (float(r.reward > 0), 1.0), "harbor/wall_s_mean": (r.wall_s, 1.0),
+                  "harbor/turns_mean": (float(r.n_turns), 1.0)}
+            m |= {f"harbor/phase_s/{name}": (seconds, 1.0) for name, seconds in r.phase_timings.items()}
+            if agent_exit(r) != "ok":
+                m[f"harbor/agent_exits/{agent_exit(r)}_total"] = 1.0
+        if self.split_by_harness:
+            m |= {f"harbor/{session.harness}/{key[7:]}": m[key] for key in (
+                "harbor/rollouts_total", "harbor/errors_total", "harbor/solve_rate", "harbor/wall_s_mean") if key in m}
+        try:
+            self.metrics_queue.put_nowait(m)
+        except queue.Full:
+            pass  # never hold a rollout up for a figure, as TRL's own pushes do
 
 
 def session_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -2204,31 +2222,70 @@ def run_measure(args: argparse.Namespace, plan: dict[str, Any]) -> int:
 
 
 # --- Trainer ----------------------------------------------------------------------------------------------------------
+class PassRate:
+    """Solve rate of one full pass over the task list: the next `groups` groups to finish, whatever steps they straddle;
+    unscorable rollouts are left out of it, as of a GRPO baseline."""
+
+    def __init__(self, groups: int):
+        self.groups, self.done, self.solved, self.scored = groups, 0, 0, 0
+
+    def add(self, solved: int, scored: int) -> tuple[int, int]:
+        """One finished group; (solved, scored) of the pass it completes, or (0, 0)."""
+        self.done, self.solved, self.scored = self.done + 1, self.solved + solved, self.scored + scored
+        if self.done % self.groups:
+            return 0, 0
+        finished, self.solved, self.scored = (self.solved, self.scored), 0, 0
+        return finished
+
+
 class HarborRolloutLoop(_HarnessRolloutLoop):
     """TRL's loop-owning harness loop (it runs in TRL's rollout child), scoring each group the way this script trains.
 
     `_score_group` is where TRL turns a finished group into samples: the group's rewards are shaped first
     (`shape_group_rewards`), TRL's own code normalises them into advantages, and a group with zero variance is kept
     out of the trainer's queue unless --max-zero-variance-groups is 0. A run of such groups stops the worker with
-    NO_SIGNAL, which the trainer reports as one line.
+    NO_SIGNAL, which the trainer reports as one line. The group's figures go into TRL's counters and rates, which TRL
+    pushes onto its metric queue as soon as this returns; the factory pushes each rollout's own.
     """
 
-    def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, **loop_kwargs: Any):
+    def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, groups_per_pass: int,
+                 **loop_kwargs: Any):
         super().__init__(**loop_kwargs)
         self.efficiency_weight = efficiency_weight
         self.max_zero_variance_groups = max_zero_variance_groups
         self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
+        self.passes = PassRate(groups_per_pass)
+        self._factory.metrics_queue = self._metrics_queue
 
     async def _score_group(self, group):
-        group.rollout_rewards = shape_group_rewards(group.rollout_rewards, self.efficiency_weight)
+        scores = group.rollout_rewards
+        group.rollout_rewards = shape_group_rewards(scores, self.efficiency_weight)
         samples = await super()._score_group(group)
+        if self._stop_event.is_set():
+            return samples  # cut short by the stop (its unfinished rollouts are empty): no group to count or print
         rewards = [r for r in group.rollout_rewards if r is not None]
+        self._counters["harbor/groups_total"] += 1
+        solved, scored = self.passes.add(sum(s is not None and s.correctness > 0 for s in scores), len(rewards))
+        if scored:
+            self._rates["harbor/solve_rate_pass"][0] += solved
+            self._rates["harbor/solve_rate_pass"][1] += scored
         if not rewards:
+            self._counters["harbor/not_trained/no_scorable_groups_total"] += 1
             return samples  # none scorable, so no samples: --max-consecutive-failures watches these
-        if not zero_variance(rewards):
+        zero = zero_variance(rewards)
+        keys = ["harbor/zero_variance_frac", f"harbor/{group.prompts[0][0]['harbor_harness']}/zero_variance_frac"]
+        for key in keys[:1 + self._factory.split_by_harness]:
+            self._rates[key][0] += zero
+            self._rates[key][1] += 1
+        self._counters["harbor/zero_variance_groups_total"] += zero
+        if not zero:
             self.flat_run = []
             return samples
-        if not self.max_zero_variance_groups:
+        kept_out = self.max_zero_variance_groups > 0
+        self._counters["harbor/not_trained/zero_variance_groups_total"] += kept_out
+        self._factory._say(f"[harbor] group {group.group_id}: zero variance, every scored rollout {rewards[0]:g}: "
+                           + ("kept out of training" if kept_out else "trained at advantage 0"))
+        if not kept_out:
             return samples
         self.flat_run.append(rewards[0] > 0)
         if len(self.flat_run) >= self.max_zero_variance_groups:
@@ -2260,40 +2317,25 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
 
 
 class RolloutAccounting:
-    """Where a run's rollouts, time and signal go, per optimizer step, and in one line at the end.
+    """What reached the loss, per optimizer step, and where every rollout went, in one line at the end.
 
-    Produced: the factory runs in TRL's rollout child, whose only metrics channel takes a fixed set of keys; it appends
-    one JSON line per finished rollout instead, and the trainer folds the lines that arrived since the previous step
-    into its log (trainer_state.json, trackio) and one console line. A group counts once all its generations have
-    finished; it has zero variance when its shaped rewards (`shape_group_rewards`, as the child shapes them) are all
-    equal, so its advantages are all 0.
-
-    Trained: what reached the loss, seen on the trainer. The collator is the one place that sees a whole micro-batch
-    (every rank's row, each loss token's advantage, each sample's group), and a micro-batch counts once a training
-    step takes it: accelerate collates one ahead, which a stop leaves untrained. A group's rollouts count as trained
-    when any of its samples reached the loss. Produced but not trained: unscorable rollouts, zero-variance groups
-    kept out, and the rest (groups TRL dropped as stale, or still queued, batched or unfinished at the stop; TRL's
-    stale-sample count and the samples left in the queue say which). Counts start at this launch.
+    Produced: TRL's rollout child counts its rollouts and groups onto TRL's metric queue, which TRL's log() drains and
+    reduces by name into each step's log (a `_total` is the step's count). Trained: the collator is the one place that
+    sees a whole micro-batch (every rank's row, each loss token's advantage, each sample's group), and a micro-batch
+    counts once a training step takes it: accelerate collates one ahead, which a stop leaves untrained. Not trained:
+    unscorable rollouts, zero-variance groups kept out, groups with no scorable rollout, and the rest (groups TRL
+    dropped as stale, or still queued, batched or unfinished at the stop; TRL's stale-sample count and the samples
+    left in the queue say which). Counts start at this launch.
     """
 
-    def __init__(self, path: str, num_generations: int, harnesses: list[str], efficiency_weight: float,
-                 keep_out_zero_variance: bool, groups_per_pass: int):
-        self.path, self.num_generations, self.harnesses = Path(path), num_generations, harnesses
-        self.efficiency_weight, self.keep_out = efficiency_weight, keep_out_zero_variance
-        self.offset = self.path.stat().st_size if self.path.is_file() else 0
-        self.pending: dict[Any, list[dict[str, Any]]] = {}
-        self.groups_total = self.zero_total = 0
-        self.by_harness: dict[str, list[int]] = {h: [0, 0] for h in harnesses}  # [groups, zero-variance groups]
-        self.unscorable_groups: set[int] = set()  # groups whose every rollout failed (a resume need not rerun them)
+    def __init__(self, path: str, num_generations: int):
+        self.path, self.num_generations = Path(path), num_generations
+        self.offset = self.path.stat().st_size if self.path.is_file() else 0  # where this launch's records start
         self.last = time.monotonic()
-        self.scorable: dict[Any, int] = {}  # group -> its scorable rollouts, for groups that may still be trained
         self.trained_groups: set[Any] = set()
         self.collated: collections.deque = collections.deque()  # (samples per group, loss tokens, informative ones)
         self.step_batches: list[tuple[collections.Counter, int, int]] = []
-        self.totals = collections.Counter()
-        # Solve rate of a full pass over the task list: the last `groups_per_pass` groups to finish, once they have.
-        self.groups_per_pass, self.this_pass, self.pass_rate = groups_per_pass, [0, 0], None
-        self.groups_done = 0
+        self.totals: collections.Counter = collections.Counter()
 
     def collate_with(self, collate: Any) -> Any:
         def counted(examples):
@@ -2310,173 +2352,102 @@ class RolloutAccounting:
         if self.collated:
             self.step_batches.append(self.collated.popleft())
 
-    def _new_records(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
-            return []
+    def unscorable_groups(self) -> set[int]:
+        """This launch's groups whose every rollout failed: they yielded no sample, and a resume that reran them would
+        fail again. Read from rollouts.jsonl because TRL's metric queue carries figures, not which groups they were."""
+        failed = collections.defaultdict(list)
         with open(self.path, "rb") as f:
             f.seek(self.offset)
-            data = f.read()
-        complete = data[:data.rfind(b"\n") + 1]  # a line still being written is read next time
-        self.offset += len(complete)
-        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+            for line in f.read().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line still being written
+                failed[record["group"]].append(record["error"] is not None)
+        return {g for g, errors in failed.items() if len(errors) == self.num_generations and all(errors)}
 
-    def _fold_records(self, records: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:
-        scored_groups, zero_groups = [], []
-        for record in records:
-            members = self.pending.setdefault(record["group"], [])
-            members.append(record)
-            if len(members) < self.num_generations:
-                continue
-            del self.pending[record["group"]]
-            self.groups_done += 1
-            self.this_pass[0] += sum(m["error"] is None and m["reward"] > 0 for m in members)
-            self.this_pass[1] += sum(m["error"] is None for m in members)
-            if self.groups_done % self.groups_per_pass == 0:
-                self.pass_rate = self.this_pass[0] / self.this_pass[1] if self.this_pass[1] else None
-                self.this_pass = [0, 0]
-            scores = [RolloutScore(m["reward"], m["efficiency"] or 0.0) if m["error"] is None else None
-                      for m in members]
-            rewards = shape_group_rewards(scores, self.efficiency_weight)
-            scorable = sum(r is not None for r in rewards)
-            if not scorable:
-                self.unscorable_groups.add(record["group"])
-                continue  # no sample at all: counted as errors, not as a group that trained on nothing
-            scored_groups.append(record["group"])
-            zero = zero_variance(rewards)
-            zero_groups += [record["group"]] if zero else []
-            if zero and self.keep_out:
-                self.totals["zero_variance"] += scorable
-            else:
-                self.scorable[record["group"]] = scorable
-            counts = self.by_harness.setdefault(record["harness"], [0, 0])
-            counts[0] += 1
-            counts[1] += zero
-        self.groups_total += len(scored_groups)
-        self.zero_total += len(zero_groups)
-        return scored_groups, zero_groups
+    def count(self, metrics: dict[str, Any]) -> None:
+        self.totals.update({k: v for k, v in metrics.items() if k.endswith("_total") and isinstance(v, float)})
 
-    def _fold_trained(self) -> tuple[list[Any], int, int, int, int]:
+    def step(self, step: int, logs: dict[str, Any]) -> None:
+        """Adds what this step trained to its log, TRL having reduced the child's figures into it, and prints the
+        step's line."""
+        now = time.monotonic()
+        elapsed, self.last = now - self.last, now
         batches, self.step_batches = self.step_batches, []
-        new = sorted({g for groups, _, _ in batches for g in groups} - self.trained_groups)
-        self.trained_groups.update(new)
-        rollouts = sum(self.scorable.pop(g, 0) for g in new)
+        trained = sorted({g for groups, _, _ in batches for g in groups} - self.trained_groups)
+        self.trained_groups.update(trained)
         samples = sum(sum(groups.values()) for groups, _, _ in batches)
         tokens, informative = sum(b[1] for b in batches), sum(b[2] for b in batches)
-        self.totals.update(trained=rollouts, trained_tokens=tokens, informative_tokens=informative)
-        return new, rollouts, samples, tokens, informative
-
-    def _not_trained_other(self) -> int:
-        t = self.totals
-        return t["produced"] - t["unscorable"] - t["zero_variance"] - t["trained"]
-
-    def step(self, step: int, stale_samples: int = 0) -> dict[str, float]:
-        records = self._new_records()
-        now, elapsed = time.monotonic(), time.monotonic() - self.last
-        self.last = now
-        scored_groups, zero_groups = self._fold_records(records)
-        trained, trained_rollouts, samples, tokens, informative = self._fold_trained()
-
-        ok = [r for r in records if r["error"] is None]
-        errors = collections.Counter(r["error"] for r in records if r["error"] is not None)
-        self.totals.update(produced=len(records), unscorable=len(records) - len(ok), stale_samples=stale_samples)
-        metrics = {"harbor/rollouts": float(len(records)), "harbor/rollouts_per_min": len(records) / elapsed * 60,
-                   "harbor/sandbox_s_per_step": sum(r["wall_s"] for r in records),
-                   "harbor/errors": float(sum(errors.values())),
-                   "harbor/budget_stops": float(sum(r["budget_stops"] for r in records)),
-                   "harbor/groups": float(len(scored_groups)), "harbor/groups_total": float(self.groups_total),
-                   "harbor/zero_variance_groups_total": float(self.zero_total),
-                   "harbor/trained/groups": float(len(trained)), "harbor/trained/rollouts": float(trained_rollouts),
-                   "harbor/trained/samples": float(samples), "harbor/trained/tokens": float(tokens),
-                   "harbor/rollouts_total": float(self.totals["produced"]),
-                   "harbor/trained/rollouts_total": float(self.totals["trained"]),
-                   "harbor/not_trained/unscorable_total": float(self.totals["unscorable"]),
-                   "harbor/not_trained/zero_variance_total": float(self.totals["zero_variance"]),
-                   "harbor/not_trained/stale_or_pending_total": float(self._not_trained_other())}
-        metrics |= {f"harbor/errors/{kind}": float(n) for kind, n in errors.items()}
-        metrics |= {f"harbor/agent_exits/{kind}": float(n) for kind, n in collections.Counter(
-            r.get("exit") for r in ok if r.get("exit") != "ok").items()}
+        got = {key: logs.get(f"harbor/{key}") or 0.0 for key in ("rollouts_total", "errors_total", "groups_total",
+                                                                  "zero_variance_groups_total", "sandbox_s_total")}
+        logs |= {"harbor/rollouts_per_min": got["rollouts_total"] / elapsed * 60,
+                 "harbor/trained/groups": float(len(trained)), "harbor/trained/samples": float(samples)}
         if tokens:
-            metrics["harbor/trained/informative_token_frac"] = informative / tokens
-        solved = sum(r["reward"] > 0 for r in ok)
-        if ok:
-            metrics["harbor/solve_rate"] = solved / len(ok)
-        if self.pass_rate is not None:
-            metrics["harbor/solve_rate_pass"] = self.pass_rate
-        if scored_groups:
-            metrics["harbor/zero_variance_frac"] = len(zero_groups) / len(scored_groups)
-        if self.groups_total:
-            metrics["harbor/zero_variance_frac_cumulative"] = self.zero_total / self.groups_total
-        if ok:  # TRL's rollout/turns_mean and rollout/duration_s also average the unscorable rollouts, at 0 turns
-            metrics |= {"harbor/wall_s_mean": sum(r["wall_s"] for r in ok) / len(ok),
-                        "harbor/turns_mean": sum(r["turns"] for r in ok) / len(ok)}
-            for phase in {name for r in ok for name in r["phases"]}:
-                timed = [r["phases"][phase] for r in ok if phase in r["phases"]]
-                metrics[f"harbor/phase_s/{phase}"] = sum(timed) / len(timed)
-        if len(self.harnesses) > 1:
-            for harness in self.harnesses:
-                mine = [r for r in records if r["harness"] == harness]
-                mine_ok = [r for r in mine if r["error"] is None]
-                groups, zero = self.by_harness[harness]
-                metrics[f"harbor/{harness}/rollouts"] = float(len(mine))
-                metrics[f"harbor/{harness}/errors"] = float(len(mine) - len(mine_ok))
-                if mine_ok:
-                    metrics[f"harbor/{harness}/solve_rate"] = sum(r["reward"] > 0 for r in mine_ok) / len(mine_ok)
-                    metrics[f"harbor/{harness}/wall_s_mean"] = sum(r["wall_s"] for r in mine_ok) / len(mine_ok)
-                if groups:
-                    metrics[f"harbor/{harness}/zero_variance_frac_cumulative"] = zero / groups
+            logs["harbor/trained/informative_token_frac"] = informative / tokens
+        self.count(logs)
+        self.totals.update(trained_tokens=tokens, informative_tokens=informative)
 
-        share = f"{len(zero_groups) / len(scored_groups):.0%}" if scored_groups else "-"
-        total = f"{self.zero_total / self.groups_total:.0%}" if self.groups_total else "-"
+        scored, rate = int(got["rollouts_total"] - got["errors_total"]), logs.get("harbor/solve_rate")
+        errors = "".join(f" {key[14:-6]}={int(n)}" for key, n in logs.items()
+                         if key.startswith("harbor/errors/") and key.endswith("_total") and n)
+        frac = logs.get("harbor/zero_variance_frac")
         signal = f", {informative / tokens:.0%} with a non-zero advantage" if tokens else ""
-        print(f"[harbor] step {step}: {len(scored_groups)} groups scored "
-              f"({','.join(map(str, scored_groups)) or '-'}), {len(zero_groups)} zero-variance "
-              f"({','.join(map(str, zero_groups)) or '-'}) = {share}; cumulative {self.zero_total}/{self.groups_total} "
-              f"= {total}; {len(records)} rollouts ({metrics['harbor/rollouts_per_min']:.1f}/min), sandbox "
-              f"{metrics['harbor/sandbox_s_per_step']:.0f}s, solve rate "
-              f"{f'{solved / len(ok):.2f}' if ok else '-'} ({solved}/{len(ok)}), errors {sum(errors.values())}"
-              + "".join(f" {kind}={n}" for kind, n in errors.items())
-              + f"; trained {len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, "
-              f"{tokens} tokens{signal}", flush=True)
-        return metrics
+        say(f"[harbor] step {step}: {int(got['groups_total'])} groups finished, "
+            f"{int(got['zero_variance_groups_total'])} zero-variance ({'-' if frac is None else f'{frac:.0%}'}); "
+            f"{int(got['rollouts_total'])} rollouts ({logs['harbor/rollouts_per_min']:.1f}/min), sandbox "
+            f"{got['sandbox_s_total']:.0f}s, solve rate {'-' if rate is None else f'{rate:.2f}'} "
+            f"({round((rate or 0) * scored)}/{scored}), errors {int(got['errors_total'])}{errors}; trained "
+            f"{len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, {tokens} tokens{signal}")
 
     def finish(self, queued_samples: int, held_out: dict[int, float | None]) -> None:
         """The run's totals, once TRL's rollout child has stopped: produced, trained, and why the rest was not."""
-        records = self._new_records()
-        self._fold_records(records)
-        self.totals.update(produced=len(records), unscorable=sum(r["error"] is not None for r in records))
-        t = self.totals
+        t = {key: int(n) for key, n in self.totals.items()}
+        groups, trained = t.get("harbor/groups_total", 0), len(self.trained_groups)
+        kept_out = t.get("harbor/not_trained/zero_variance_groups_total", 0)
+        none = t.get("harbor/not_trained/no_scorable_groups_total", 0)
 
         def rate(step: int) -> str:
             return f"{'-' if held_out[step] is None else f'{held_out[step]:.2f}'} (step {step})"
 
         signal = (f", {t['informative_tokens'] / t['trained_tokens']:.0%} with a non-zero advantage"
-                  if t["trained_tokens"] else "")
-        print(f"[harbor] rollouts: {t['produced']} finished; {t['trained']} reached the loss "
-              f"({len(self.trained_groups)} groups, {t['trained_tokens']} tokens{signal}); not trained: "
-              f"{t['unscorable']} unscorable, {t['zero_variance']} in zero-variance groups (kept out), "
-              f"{self._not_trained_other()} dropped as stale or left at the stop ({t['stale_samples']} stale samples, "
-              f"{queued_samples} samples still queued, {len(self.collated)} micro-batches collated but not trained)"
-              + (f"; held-out pass rate {rate(min(held_out))} -> {rate(max(held_out))}" if held_out else ""),
-              flush=True)
+                  if t.get("trained_tokens") else "")
+        say(f"[harbor] rollouts: {t.get('harbor/rollouts_total', 0)} finished, {t.get('harbor/errors_total', 0)} "
+            f"unscorable; groups: {groups} finished, {trained} reached the loss ({t.get('trained_tokens', 0)} "
+            f"tokens{signal}); not trained: {kept_out} zero-variance (kept out), {none} with no scorable rollout, "
+            f"{groups - trained - kept_out - none} dropped as stale or left at the stop "
+            f"({t.get('sample/dropped_stale_total', 0)} stale samples, {queued_samples} samples still queued, "
+            f"{len(self.collated)} micro-batches collated but not trained)"
+            + (f"; held-out pass rate {rate(min(held_out))} -> {rate(max(held_out))}" if held_out else ""))
 
 
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     """TRL's `stop()`, once the child has had `timeout_s` to exit on its own. TRL 1.16's joins it for 15 s, then
     terminates it: a child cannot exit while items it put on `rollout_buffer` / `metrics_queue` are unread (mp.Queue
     flushes its pipe at exit), and at a preemption those seconds come out of the grace period before the checkpoint
-    save. The stop Event is set from a thread: if the child died holding the Event's lock, `set()` never returns."""
+    save. The stop Event is set from a thread: if the child died holding the Event's lock, `set()` never returns.
+    What it drains counts in the run's totals: samples as produced but never trained, metrics as the rollouts and
+    groups that finished after the last step's log."""
     proc, t0 = worker._process, time.monotonic()
+
+    def drain() -> None:
+        for q in (worker.rollout_buffer, worker.metrics_queue):
+            try:
+                while True:
+                    item = q.get_nowait()
+                    if q is worker.rollout_buffer:
+                        worker.samples_left_at_stop += 1
+                    else:
+                        worker.metrics_left_at_stop.append(item)
+            except (queue.Empty, OSError, EOFError, ValueError):
+                pass
+
     if proc is not None and proc.is_alive():
         threading.Thread(target=worker._stop_event_mp.set, daemon=True).start()
         while proc.is_alive() and time.monotonic() - t0 < timeout_s:
-            for q in (worker.rollout_buffer, worker.metrics_queue):
-                try:
-                    while True:
-                        q.get_nowait()
-                        worker.samples_left_at_stop += q is worker.rollout_buffer  # produced, never trained
-                except (queue.Empty, OSError, EOFError, ValueError):
-                    pass
+            drain()
             proc.join(timeout=0.05)
+    drain()  # what the child flushed as it exited
     if proc is not None and not proc.is_alive():
         say(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s (exit code {proc.exitcode})")
         worker._process = None
@@ -2662,12 +2633,14 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         _loop_cls = HarborRolloutLoop
         stop = stop_rollout_worker
         samples_left_at_stop = 0
+        metrics_left_at_stop: list[dict[str, Any]] = []
         pending: list[int] = []  # the untrained groups the resumed checkpoint left (_inner_training_loop)
 
         def start(self) -> None:
             # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
             kw = self._loop_kwargs
             self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
+            self.metrics_left_at_stop = []
             kw.update(dataset=self.order, dataset_start_index=0)
             super().start()
 
@@ -2720,7 +2693,16 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             if not self.trainer.stop_agreed:
                 self.run(state.global_step, control)
 
-    class HarborGRPOTrainer(AsyncGRPOTrainer):
+    class StepLog(Trainer):
+        """Comes after AsyncGRPOTrainer in the trainer's MRO, so its log() runs between TRL's, which drained the rollout
+        child's metrics and reduced them by name, and transformers', which records the step's log."""
+
+        def log(self, logs, start_time=None):
+            if "loss" in logs and self.accelerator.is_main_process:
+                accounting.step(self.state.global_step, logs)
+            super().log(logs, start_time)
+
+    class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
         _staging_dir: str | None = None
 
         def __init__(self, *a, **kw):
@@ -2764,7 +2746,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             optimizer step trained runs again (collated ahead, in a dropped step, stale), none that one trained does.
             A group that yielded no sample at all (every rollout failed) is done: rerunning it would fail again."""
             seen = max(self._trained_groups, default=-1) + 1
-            return self.rollout_worker.order.after(seen, self.trained_groups | accounting.unscorable_groups)
+            return self.rollout_worker.order.after(seen, self.trained_groups | accounting.unscorable_groups())
 
         def _inner_training_loop(self, *a, **kw):
             checkpoint = kw.get("resume_from_checkpoint")
@@ -2775,6 +2757,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 return super()._inner_training_loop(*a, **kw)
             finally:  # TRL's own `finally` has stopped the rollout child by now
                 if self.accelerator.is_main_process:
+                    for metrics in self.rollout_worker.metrics_left_at_stop:
+                        accounting.count(metrics)
                     accounting.finish(self.rollout_worker.samples_left_at_stop, getattr(self, "held_out", {}))
 
         def _init_lora_sync(self, model):
@@ -2841,21 +2825,12 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             publish_checkpoint(staging / name, run_dir / name, keep=self.args.save_total_limit)
             staging.rmdir()
 
-        def log(self, logs, start_time=None):
-            if "loss" in logs and self.accelerator.is_main_process:
-                stale = len(self._metrics["train"].get("sample/dropped_stale_total", ()))  # TRL's own count
-                logs.update(accounting.step(self.state.global_step, stale))
-            super().log(logs, start_time)
-
     config = args.config
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=config.trust_remote_code)
     dataset = Dataset.from_list(task_rows(tasks, split, args.harnesses))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     records = os.path.join(args.output_dir, "rollouts.jsonl")
-    accounting = RolloutAccounting(records, args.num_generations, args.harnesses,
-                                   args.efficiency_weight, keep_out_zero_variance=args.max_zero_variance_groups > 0,
-                                   groups_per_pass=len(dataset))
-    reward_fn = functools.partial(harbor_reward, step_limit=args.agent_step_limit)
+    accounting = RolloutAccounting(records, args.num_generations)
     worker = HarborRolloutWorker(
         model_name=args.model, dataset=dataset, reward_funcs=[],
         processing_class=tokenizer, vllm_server_url=config.vllm_server_base_url,
@@ -2863,9 +2838,10 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         **{k: getattr(config, k) for k in ("num_generations", "max_inflight_tasks", "queue_maxsize", "temperature",
                                            "request_timeout", "log_completions", "num_completions_to_print")},
         harness_session_factory=functools.partial(HarborSessionFactory, **session_settings(args), record_path=records,
-                                                  reward_fn=reward_fn),
-        rollout_reward_fn=reward_fn, efficiency_weight=args.efficiency_weight,
-        max_zero_variance_groups=args.max_zero_variance_groups,
+                                                  split_by_harness=len(args.harnesses) > 1),
+        rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit),
+        efficiency_weight=args.efficiency_weight,
+        max_zero_variance_groups=args.max_zero_variance_groups, groups_per_pass=len(dataset),
     )
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
                                 rollout_worker=worker, peft_config=peft_config(args))

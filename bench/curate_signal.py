@@ -41,8 +41,9 @@ def run_script(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def zero_variance(out: Path) -> tuple[float, int]:
-    last = log_history(out)[-1]
-    return last["harbor/zero_variance_frac_cumulative"], int(last["harbor/groups_total"])
+    steps = log_history(out)
+    groups = sum(e.get("harbor/groups_total", 0) for e in steps)
+    return sum(e.get("harbor/zero_variance_groups_total", 0) for e in steps) / groups, int(groups)
 
 
 def main() -> int:

@@ -3,7 +3,7 @@ behaviour) and kept out (the script's default).
 
 On the CPU rig (the stand-in engine's scripted policy solves echo-hello always, never never, coin and coin2 in exactly
 half of their rollouts, alternating), train the same short run twice, side by side on one rig,
-`--max-zero-variance-groups 0` (off) and the default (on), and read each optimizer step's `harbor/trained/tokens`
+`--max-zero-variance-groups 0` (off) and the default (on), and read each optimizer step's `batch/trained_tokens_per_step`
 (loss tokens, TRL's own count) and `harbor/trained/informative_token_frac` (the share of them with a non-zero
 advantage). A zero-variance group's tokens carry advantage 0 but still count in the loss's token mean, so with the
 filter off the informative share is about the share of tokens from mixed groups (with G=4: coin and coin2 mix every
@@ -42,14 +42,14 @@ G4 = ["--num-generations", "4", "--max-inflight", "4"]
 
 def measure(out: Path) -> dict:
     steps = log_history(out)
-    tokens = [e["harbor/trained/tokens"] for e in steps]
+    tokens = [e["batch/trained_tokens_per_step"] for e in steps]
     fracs = [e.get("harbor/trained/informative_token_frac", 0.0) for e in steps]
     return {"steps": len(steps), "tokens": sum(tokens),
             "informative_token_frac": sum(f * t for f, t in zip(fracs, tokens)) / sum(tokens),
             "per_step": [round(f, 3) for f in fracs], "min": min(fracs), "max": max(fracs),
             "stdev": statistics.pstdev(fracs), "groups_trained": sum(e["harbor/trained/groups"] for e in steps),
-            "zero_variance_groups": int(steps[-1]["harbor/zero_variance_groups_total"]),
-            "groups_scored": int(steps[-1]["harbor/groups_total"])}
+            "zero_variance_groups": int(sum(e.get("harbor/zero_variance_groups_total", 0) for e in steps)),
+            "groups_scored": int(sum(e.get("harbor/groups_total", 0) for e in steps))}
 
 
 def main() -> int:

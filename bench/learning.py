@@ -3,7 +3,7 @@
 The run is tests/test_learning.py's: the rig's engine lets the tiny model itself choose among four answers to the
 `choose` task (one right), and the script trains it through the whole chain. The control is the same run with
 --learning-rate 0. Both run at once, each on its own rig; the solve rate per optimizer step is read from each run's
-rollouts.jsonl (the rollouts that finished since the previous step, as the step's `harbor/rollouts` counts them).
+rollouts.jsonl (the rollouts that finished since the previous step, as the step's `harbor/rollouts_total` counts them).
 When the script has held-out eval (--eval-tasks in its --help), both runs also evaluate `choose` every --eval-steps
 and the picture shows eval.csv's pass rate per step.
 

@@ -251,6 +251,6 @@ def test_an_agent_that_times_out_or_exits_is_scored_by_its_verifier(rig, tmp_pat
     assert re.search(r"\[harbor\] group \d+ task \d+ \(coin\): reward [\d.]+ in \d+ turns, .*, agent timeout",
                      proc.stdout)
     logged = log_history(out)[0]
-    assert logged["harbor/errors"] == 0 and logged["rollout/correctness_mean"] is not None
-    assert sum(v for k, v in logged.items() if k.startswith("harbor/agent_exits/")) == logged["harbor/rollouts"]
+    assert logged["harbor/errors_total"] == 0 and logged["rollout/correctness_mean"] is not None
+    assert sum(v for k, v in logged.items() if k.startswith("harbor/agent_exits/")) == logged["harbor/rollouts_total"]
     assert_all_slots_free(rig)

@@ -79,11 +79,11 @@ def build_choice_model(cache: Path) -> Path:
 
 def solve_rates_per_step(out: Path) -> tuple[list[list[dict]], list[dict]]:
     """rollouts.jsonl split by optimizer step: the rollouts each step folded in (those that finished since the
-    previous step, `harbor/rollouts` in its log), and those that finished after the last step."""
+    previous step, `harbor/rollouts_total` in its log), and those that finished after the last step."""
     records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines() if line.strip()]
     steps, start = [], 0
     for entry in log_history(out):
-        n = int(entry["harbor/rollouts"])
+        n = int(entry.get("harbor/rollouts_total", 0))
         steps.append(records[start:start + n])
         start += n
     return steps, records[start:]
