@@ -89,13 +89,10 @@ def test_zero_variance_accounting_matches_the_rewards_produced(trained):
     # A group whose rewards are all equal is named as it finishes, checked against the rewards its rollouts printed;
     # each step counts the groups it logs, and the run's end line adds them up with those that finished later.
     proc, out, _, _ = trained
-    produced = defaultdict(list)
-    for group, _, reward in rollouts(proc.stdout):
-        produced[group].append(reward)
-    whole = {g: set(rewards) for g, rewards in produced.items() if len(rewards) == GENERATIONS}
+    whole = whole_groups(proc.stdout)
     flat = {int(g): float(r) for g, r in ZERO_VARIANCE.findall(proc.stdout)}
     assert flat, "echo-hello scores alike in every group"
-    assert all(whole.get(g) == {r} for g, r in flat.items()), (flat, dict(produced))
+    assert all(whole.get(g) == {r} for g, r in flat.items()), (flat, whole)
     history = {e["step"]: e for e in log_history(out)}
     steps = STEP_ACCOUNT.findall(proc.stdout)
     assert [int(s[0]) for s in steps] == [1, 2, 3], proc.stdout[-3000:]
@@ -109,17 +106,17 @@ def test_zero_variance_accounting_matches_the_rewards_produced(trained):
     assert summary, proc.stdout[-3000:]
     # Every group that finished, each counted once: the flat ones named, the mixed ones not. A group whose last
     # rollout finished as the run stopped may not have been scored; every one that finished before the last step was.
-    before = {g for g, rewards in produced_before(proc.stdout, "[harbor] step 3:").items()
-              if len(rewards) == GENERATIONS}
+    before = whole_groups(proc.stdout[:proc.stdout.index("[harbor] step 3:")])
     assert len(before) <= int(summary["groups"]) <= len(whole) and int(summary["kept_out"]) == len(flat)
     assert {g for g in before if len(whole[g]) == 1} <= set(flat)
 
 
-def produced_before(stdout: str, line: str) -> dict[int, list]:
+def whole_groups(stdout: str) -> dict[int, set]:
+    """The groups all of whose rollouts printed their reward (None: unscorable), and their rewards."""
     produced = defaultdict(list)
-    for group, _, reward in rollouts(stdout[:stdout.index(line)]):
+    for group, _, reward in rollouts(stdout):
         produced[group].append(reward)
-    return produced
+    return {g: set(rewards) for g, rewards in produced.items() if len(rewards) == GENERATIONS}
 
 
 TRAINED = re.compile(r"\[harbor\] step (\d+): .*; trained (\d+) groups \(([\d,]+|-)\), (\d+) samples, "
@@ -134,15 +131,12 @@ def test_only_groups_with_reward_variance_reach_the_loss(trained):
     # By default a group whose rewards are all equal (every advantage 0) is kept out of training: every group that
     # reached the loss mixed solved and failed rollouts, and every token in the loss carries a non-zero advantage.
     proc, out, _, _ = trained
-    produced = defaultdict(list)
-    for group, _, reward in rollouts(proc.stdout):
-        produced[group].append(reward)
-    whole = {g: set(rewards) for g, rewards in produced.items() if len(rewards) == GENERATIONS}
+    whole = whole_groups(proc.stdout)
     mixed, flat = {g for g, r in whole.items() if len(r) > 1}, {g for g, r in whole.items() if len(r) == 1}
     steps = TRAINED.findall(proc.stdout)
     assert [int(s[0]) for s in steps] == [1, 2, 3], proc.stdout[-3000:]
     trained_groups = [int(g) for s in steps if s[2] != "-" for g in s[2].split(",")]
-    assert trained_groups and set(trained_groups) <= mixed, (trained_groups, dict(produced))
+    assert trained_groups and set(trained_groups) <= mixed, (trained_groups, whole)
     assert flat, "echo-hello scores alike in every group"
     history = {e["step"]: e for e in log_history(out)}
     for step, groups, _, samples, tokens in steps:
