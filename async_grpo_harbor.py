@@ -1036,8 +1036,8 @@ class HarborSessionFactory(ResourceSessionFactory):
             m |= {"harbor/solve_rate": (float(r.reward > 0), 1.0), "harbor/wall_s_mean": (r.wall_s, 1.0),
                   "harbor/turns_mean": (float(r.n_turns), 1.0)}
             m |= {f"harbor/phase_s/{name}": (seconds, 1.0) for name, seconds in r.phase_timings.items()}
-            if agent_exit(r) != "ok":
-                m[f"harbor/agent_exits/{agent_exit(r)}_total"] = 1.0
+            if (ended := agent_exit(r)) != "ok":
+                m[f"harbor/agent_exits/{ended}_total"] = 1.0
         if self.split_by_harness:
             m |= {f"harbor/{session.harness}/{key[7:]}": m[key] for key in (
                 "harbor/rollouts_total", "harbor/errors_total", "harbor/solve_rate", "harbor/wall_s_mean") if key in m}
