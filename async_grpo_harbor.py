@@ -52,12 +52,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import csv
+import ctypes
 import dataclasses
 import difflib
 import functools
 import http.client
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import queue
@@ -77,13 +80,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-if TYPE_CHECKING:
-    from openenv.harbor.models import HarborRolloutResult
+from typing import Any, NamedTuple
 
 # The script is written against trl==1.16.0's experimental AsyncGRPO (pinned above); TRL's two-line warning about that
 # API would otherwise open every refusal and the rollout child's log.
@@ -92,11 +93,23 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import yaml  # noqa: E402
 from accelerate import PartialState  # noqa: E402
+from accelerate.utils import broadcast_object_list, is_peft_model  # noqa: E402
+from datasets import Dataset  # noqa: E402
 from openenv.core.harness import ResourceSession, ResourceSessionFactory, TrainingTrace, VerifyResult  # noqa: E402
-from trl import TrlParser  # noqa: E402
-from trl.experimental.async_grpo import AsyncGRPOConfig  # noqa: E402
+from openenv.core.harness.capture.upstream import training_sampling  # noqa: E402
+from openenv.core.harness.capture.validate_llm import validate_llm  # noqa: E402
+from openenv.harbor.capabilities import HOST_SIDE_AGENTS  # noqa: E402
+from openenv.harbor.client import HarborEnv  # noqa: E402
+from openenv.harbor.models import HarborRolloutResult  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback  # noqa: E402
+from transformers.trainer_utils import rotate_checkpoints, sort_checkpoints  # noqa: E402
+from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, packing  # noqa: E402
+from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params  # noqa: E402
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop  # noqa: E402
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
@@ -439,8 +452,6 @@ def peft_config(args: argparse.Namespace):
     """The LoraConfig of --use-peft, by TRL's own ModelConfig -> get_peft_config; None without it."""
     if not args.use_peft:
         return None
-    from trl import ModelConfig, get_peft_config
-
     return get_peft_config(ModelConfig(
         model_name_or_path=args.model, use_peft=True, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, lora_target_modules=args.lora_target_modules, use_rslora=args.use_rslora))
@@ -756,8 +767,6 @@ class HarborServerSession:
     # `HarborEnv.run_rollout` (its exact wire contract) with its MCP calls riding this session. Not a `HarborEnv`
     # instance: its constructor builds an httpx client a rollout never uses, ~20 ms of CPU per rollout (TLS context).
     def run_rollout(self, **kwargs: Any) -> HarborRolloutResult:
-        from openenv.harbor.client import HarborEnv
-
         return HarborEnv.run_rollout(self, **kwargs)
 
     def _call(self, name: str, **kwargs: Any) -> Any:
@@ -1088,8 +1097,6 @@ def free_port() -> int:
 def _die_with_parent() -> None:
     # The kernel sends SIGTERM to the Harbor server this script starts when its parent thread ends, even by SIGKILL or
     # OOM, when no cleanup of ours runs.
-    import ctypes
-
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -1266,8 +1273,6 @@ def check_run_dir(args: argparse.Namespace, pf: Preflight) -> tuple[bool, str | 
 
 def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | None:
     """vLLM as the trainer needs it: the right model, trainable captures, tool calls, weight sync, enough context."""
-    from openenv.core.harness.capture.validate_llm import validate_llm
-
     serve_hint = "start it first (the `vllm serve` command in this script's docstring) or fix --vllm-url"
     try:
         served = http_json(f"{args.vllm_url}/v1/models")["data"][0]
@@ -1407,9 +1412,6 @@ def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str, on_g
 @functools.cache
 def model_shape(model: str) -> tuple[int, str]:
     """(parameters, checkpoint dtype) of --model, from its config alone: no weights are read."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
@@ -1418,9 +1420,7 @@ def model_shape(model: str) -> tuple[int, str]:
 
 def adapter_params(args: argparse.Namespace) -> int:
     """Trainable parameters of --use-peft's adapter on --model, counted on the meta device: no weights are read."""
-    import torch
-    from peft import get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
 
     with torch.device("meta"):
         model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
@@ -1446,10 +1446,6 @@ def trainer_dtype(args: argparse.Namespace) -> str | None:
 def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> dict[str, Any]:
     """What only the trainer's own machine can tell, before any weights load: whether its updates land at this
     precision, whether its checkpoints fit the disk, whether its GPUs are free and can run TRL's attention kernel."""
-    import math
-
-    import torch
-
     facts: dict[str, Any] = {}
     dtype = trainer_dtype(args)
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and dtype not in (None, "float32"):
@@ -1539,8 +1535,6 @@ def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
 
 
 def check_trainer_gpus(pf: Preflight) -> None:
-    import torch
-
     if not torch.cuda.is_available():
         pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
         pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
@@ -1584,8 +1578,6 @@ def check_trainer_gpus(pf: Preflight) -> None:
 def check_attention_kernel(pf: Preflight) -> None:
     """TRL's own kernel loader, now: the hub download and the GPU check take seconds here, not a failed first step
     after weights, the first weight push and the first paid sandbox group. TRL caches the module it returns."""
-    import torch
-
     repo = "kernels-community/aiter-flash-attn (version 2)" if torch.version.hip else \
         "kernels-community/flash-attn3 (version 1)"
     props = torch.cuda.get_device_properties(0)
@@ -1593,8 +1585,6 @@ def check_attention_kernel(pf: Preflight) -> None:
     gpu_fix = ("TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
               "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
     try:
-        from trl.experimental.async_grpo import packing
-
         kernel = packing._flash_attn()
     except ImportError as exc:
         pf.add("attention kernel", FAIL, f"TRL's tree attention imports `kernels`: {exc}",
@@ -1628,8 +1618,6 @@ def check_attention_kernel(pf: Preflight) -> None:
 def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
     """--harbor-expose auto: (the server's --expose, why, whether the rule knows). The harness, not the trainer,
     calls the capture proxy, from wherever it runs."""
-    from openenv.harbor.capabilities import HOST_SIDE_AGENTS
-
     in_sandbox = [h for h in args.harnesses if h not in HOST_SIDE_AGENTS]
     if not in_sandbox:
         return "direct", (f"{args.harness} runs host-side, in the Harbor server's process (openenv's "
@@ -1681,8 +1669,6 @@ def check_sandbox_reach(args: argparse.Namespace, pf: Preflight) -> bool:
 def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any],
                  server: EmbeddedHarborServer | None) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
     """The server's splits and its engine report, once harness, sandbox and session slots are known to work."""
-    from openenv.harbor.client import HarborEnv
-
     if server is not None:
         try:
             seconds = server.start(served["id"])
@@ -1891,8 +1877,6 @@ def check_session_capacity(harbor_url: str, needed: int) -> None:
 
 
 def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
-    from openenv.harbor.client import HarborEnv
-
     client = HarborEnv(base_url=harbor_url)
     try:
         total = client.num_tasks(split)
@@ -1904,8 +1888,6 @@ def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[s
 
 def numbered_checkpoints(output_dir: str) -> list[Path]:
     """checkpoint-N dirs, newest first, as transformers rotates them (its get_last_checkpoint gives only the newest)."""
-    from transformers.trainer_utils import sort_checkpoints
-
     return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
 
 
@@ -1991,11 +1973,6 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
     rate as they are left out of a GRPO baseline. Returns one row per (task, harness) that finished; Ctrl-C or a run
     of failures keeps what finished.
     """
-    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-
-    from openenv.core.harness.capture.upstream import training_sampling
-    from tqdm import tqdm
-
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     factory = HarborSessionFactory(
         **session_settings(args), sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
@@ -2073,8 +2050,6 @@ def pass_rate_row(prompt: dict[str, Any], sandbox: str, sessions: list[HarborSes
 
 def write_pass_rates(path: Path, rows: list[dict[str, Any]], columns: list[str] = PASS_RATE_COLUMNS,
                      append: bool = False) -> None:
-    import csv
-
     new = not (append and path.is_file())
     with open(path, "w" if new else "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
@@ -2105,8 +2080,6 @@ def held_out_eval(args: argparse.Namespace, plan: dict[str, Any], step: int) -> 
 
 
 def read_pass_rates(path: str) -> list[dict[str, Any]]:
-    import csv
-
     try:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
@@ -2550,8 +2523,6 @@ def publish_checkpoint(staged: Path, final: Path, keep: int | None = None) -> No
     transformers rotates checkpoints inside the dir it saved into, the staging dir, which holds only this one: so it
     never deletes anything there, and the rotation runs here, after the rename, over the run dir.
     """
-    from transformers.trainer_utils import rotate_checkpoints
-
     replaced = final.with_name(f".replaced-{final.name}")
     if final.exists():  # an unusable checkpoint of this step, from before a fallback to an older one
         shutil.rmtree(replaced, ignore_errors=True)
@@ -2564,8 +2535,6 @@ def publish_checkpoint(staged: Path, final: Path, keep: int | None = None) -> No
 def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
     """Checkpoint the last finished optimizer step, unless a checkpoint already holds it, and ask for a requeue.
     Every rank calls it: a save is a collective (each rank writes its RNG state, FSDP gathers or writes shards)."""
-    from accelerate.utils import broadcast_object_list
-
     step = trainer.state.global_step
     checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
     # Rank 0 decides for all: ranks that judged the files apart could split into a save and no save.
@@ -2644,20 +2613,11 @@ def stop_batch_on_preempt(batches, num_processes: int):
     try:
         yield from batches
     except Preempted:
-        import torch
-
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
                   plan: dict[str, Any] | None = None):
-    import torch
-    from datasets import Dataset
-    from accelerate.utils import is_peft_model
-    from transformers import AutoTokenizer, Trainer, TrainerCallback
-    from trl.experimental.async_grpo import AsyncGRPOTrainer
-    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
-
     class HarborRolloutWorker(HarnessRolloutWorker):
         _loop_cls = HarborRolloutLoop
         stop = stop_rollout_worker
@@ -2919,8 +2879,6 @@ def main(argv: list[str] | None = None) -> int:
     if share is not None:
         # A group left to the interpreter's exit can abort a rank that ends here (seen after --check: SIGABRT,
         # "terminate called without an active exception").
-        import torch.distributed as dist
-
         dist.destroy_process_group()
     return code
 
@@ -2935,8 +2893,6 @@ def join_ranks(timeout_s: int):
     the main process only); the others take its plan and run name, so N processes start one server and write one run.
     The process group exists already (HarborGRPOConfig, with this timeout); this adds one for Python objects.
     """
-    import torch.distributed as dist
-
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def share(payload):
@@ -2949,9 +2905,6 @@ def join_ranks(timeout_s: int):
 
 def process_group_timeout() -> str:
     """The timeout of the process group training runs on, as torch holds it (what the NCCL watchdog enforces)."""
-    import torch
-    import torch.distributed as dist
-
     try:
         group = dist.distributed_c10d._get_default_group()
         backend = group._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
