@@ -1094,12 +1094,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    # The kernel sends SIGTERM to the Harbor server this script starts when its parent thread ends, even by SIGKILL or
-    # OOM, when no cleanup of ours runs.
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class EmbeddedHarborServer:
     """`openenv harbor serve` as a child of this process, so one command runs everything after `vllm serve`.
 
@@ -1132,9 +1126,12 @@ class EmbeddedHarborServer:
             log.write(f"\n===== {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: {shlex.join(cmd)}\n")
             log.flush()
             try:
+                # PR_SET_PDEATHSIG (prctl 1): the kernel sends the server SIGTERM when its parent thread ends, even by
+                # SIGKILL or OOM, when no cleanup of ours runs.
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              env={**os.environ, "MAX_CONCURRENT_ENVS": str(slots)},
-                                             start_new_session=True, preexec_fn=_die_with_parent)
+                                             start_new_session=True,
+                                             preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGTERM))
             except OSError as exc:
                 raise UsageError(f"cannot start the Harbor server `{shlex.join(cmd[:4])}` ({exc.strerror}); "
                                  "install openenv[harbor] (Python >= 3.12) or set --harbor-command") from None
@@ -1231,12 +1228,6 @@ def harbor_environment_types() -> set[str]:
     except ImportError:
         return OFF_HOST_SANDBOXES | {"docker", "podman"}
     return {t.value for t in EnvironmentType}
-
-
-def endpoint(url: str) -> tuple[str | None, int | None]:
-    # Names are compared as given: this host cannot tell the server's localhost from ours (--allow-engine-mismatch).
-    parts = urllib.parse.urlsplit(url)
-    return parts.hostname, parts.port
 
 
 def http_json(url: str, timeout: float = 10.0) -> Any:
@@ -1418,16 +1409,6 @@ def model_shape(model: str) -> tuple[int, str]:
     return params, str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
 
 
-def adapter_params(args: argparse.Namespace) -> int:
-    """Trainable parameters of --use-peft's adapter on --model, counted on the meta device: no weights are read."""
-    from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
-
-    with torch.device("meta"):
-        model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
-                               peft_config(args))
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
 def model_shape_error(args: argparse.Namespace) -> str | None:
     try:
         model_shape(args.model)
@@ -1487,8 +1468,12 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
         free = shutil.disk_usage(args.output_dir).free
         written = f"{kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written"
         if args.use_peft:
+            from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
+
             # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
-            adapter = adapter_params(args)
+            with torch.device("meta"):  # no weights are read
+                base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+                adapter = get_peft_model(base, peft_config(args)).get_nb_trainable_parameters()[0]
             facts["checkpoint_bytes"] = size = adapter * 4 * 3
             merged = params * width  # <output dir>/merged, written once at the end
             peak = (kept + 1) * size + merged
@@ -1718,6 +1703,8 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
         pf.add("sandbox", PASS, f"{args.sandbox} ({box.get('detail') or 'available'})")
 
     llm = caps.get("llm") or {}
+    # Names are compared as given: this host cannot tell the server's localhost from ours (--allow-engine-mismatch).
+    engine, ours = (urllib.parse.urlsplit(url) for url in (llm.get("url", ""), args.vllm_url))
     if args.measure:
         pf.add("server's engine", PASS, f"{llm.get('url')}: {llm.get('capture_level') or '?'} capture (measuring needs "
                "no token ids)")
@@ -1726,22 +1713,30 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
                f"(capture level {llm.get('capture_level') or 'unknown'}): vLLM must run with "
                "--return-tokens-as-token-ids and --logprobs-mode processed_logprobs",
                "restart vLLM with those flags, then the Harbor server")
-    elif endpoint(llm.get("url", "")) != endpoint(args.vllm_url):
+    elif (engine.hostname, engine.port) != (ours.hostname, ours.port):
         pf.add("server's engine", WARN if args.allow_engine_mismatch else FAIL, f"the Harbor server samples from "
                f"{llm.get('url')} but weights go to {args.vllm_url}: unless they are the same vLLM, no rollout uses "
                "the trained weights", "point both at the same vLLM, or pass --allow-engine-mismatch if they are")
     else:
         pf.add("server's engine", PASS, f"{llm.get('url')}: tokens, the vLLM the trainer updates")
 
-    # Held-out evals run beside training's rollouts, each with up to --max-inflight at once.
+    # Taken and released: a short server fails every rollout. Held-out evals run beside training's rollouts, each with
+    # up to --max-inflight at once.
     needed = args.max_inflight * (2 if args.eval_tasks and not args.measure else 1)
+    sessions = [HarborServerSession(args.harbor_url, timeout_s=30) for _ in range(needed)]
     try:
-        check_session_capacity(args.harbor_url, needed)
+        for opened, session in enumerate(sessions):
+            session.open()
         pf.add("session slots", PASS, f">= {needed} free (--max-inflight"
                f"{', twice: --eval-tasks' if needed > args.max_inflight else ''})")
-    except UsageError as exc:
-        pf.add("session slots", FAIL, str(exc))
-    return splits, caps.get("llm") or {}
+    except (OSError, RuntimeError) as exc:
+        pf.add("session slots", FAIL, f"the Harbor server has only {opened} free session slots of the {needed} that "
+               f"--max-inflight (x2 with --eval-tasks) needs ({exc}); restart it with MAX_CONCURRENT_ENVS="
+               f"{2 * needed} (twice that leaves room for a previous run's sessions)")
+    finally:
+        for session in sessions:
+            session.close()
+    return splits, llm
 
 
 def check_tasks(args: argparse.Namespace, pf: Preflight,
@@ -1859,21 +1854,6 @@ def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborSer
             pf.add("eval tasks", FAIL, str(exc).replace("--tasks", "--eval-tasks", 1))
     check_reward(args, pf, plan["split"], plan["tasks"][0])
     return plan
-
-
-def check_session_capacity(harbor_url: str, needed: int) -> None:
-    """Take and release as many server sessions as rollouts will run at once: a short server fails every rollout."""
-    sessions = [HarborServerSession(harbor_url, timeout_s=30) for _ in range(needed)]
-    try:
-        for opened, session in enumerate(sessions):
-            session.open()
-    except (OSError, RuntimeError) as exc:
-        raise UsageError(f"the Harbor server has only {opened} free session slots of the {needed} that "
-                         f"--max-inflight (x2 with --eval-tasks) needs ({exc}); restart it with MAX_CONCURRENT_ENVS="
-                         f"{2 * needed} (twice that leaves room for a previous run's sessions)") from None
-    finally:
-        for session in sessions:
-            session.close()
 
 
 def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
@@ -2510,12 +2490,6 @@ def resume_command(argv: list[str], output_dir: str) -> str:
     return redact(shlex.join(["uv", "run", Path(sys.argv[0]).name, *kept, "--resume", "auto"]))
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(data))
-    os.replace(partial, path)
-
-
 def publish_checkpoint(staged: Path, final: Path, keep: int | None = None) -> None:
     """Put a completely written checkpoint in place with one rename, so checkpoint-N is never half-written; then keep
     the newest `keep` checkpoints.
@@ -2797,7 +2771,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             state_file = staging / name / "rollout_state.json"
             state = json.loads(state_file.read_text())
             state["pending"], state["prompt_index"] = self.resume_position()
-            write_json_atomic(state_file, state)
+            state_file.write_text(json.dumps(state))  # in the staging dir: published whole by the rename below
             publish_checkpoint(staging / name, run_dir / name, keep=self.args.save_total_limit)
             staging.rmdir()
 
