@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import csv
 import ctypes
 import dataclasses
@@ -411,15 +412,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--lora-r must be >= 1 (got {args.lora_r})")
     args.measure = args.eval_only or args.curate == ""
     args.eval_steps = int(args.eval_steps)
-    strategy = args.trl.get("eval_strategy", "no")
-    if str(getattr(strategy, "value", strategy)) != "no":
-        raise UsageError(f"--eval-strategy {getattr(strategy, 'value', strategy)}: AsyncGRPOTrainer takes no eval "
+    if config.eval_strategy != "no":  # transformers' IntervalStrategy, a str
+        raise UsageError(f"--eval-strategy {config.eval_strategy.value}: AsyncGRPOTrainer takes no eval "
                          "dataset; measure held-out Harbor tasks during training with --eval-tasks SPEC --eval-steps N "
                          "--eval-k K")
     args.harnesses = [name.strip() for name in args.harness.split(",") if name.strip()]
     if not args.harnesses:
         raise UsageError("--harness is empty; name one, e.g. mini-swe-agent, or several: mini-swe-agent,terminus-2")
-    args.band = parse_band(args.band)
+    try:
+        low, high = (float(x) for x in args.band.split(","))
+    except ValueError:
+        raise UsageError(f"--band {args.band!r}: give two pass rates LOW,HIGH, e.g. 0.1,0.9") from None
+    if not 0 <= low <= high <= 1:
+        raise UsageError(f"--band {args.band!r}: need 0 <= LOW <= HIGH <= 1")
+    args.band = low, high
     if args.max_inflight < args.num_generations and not args.measure:
         raise UsageError(f"--max-inflight ({args.max_inflight}) must be >= --num-generations "
                          f"({args.num_generations}): a group is only scored once all its rollouts finished")
@@ -455,16 +461,6 @@ def peft_config(args: argparse.Namespace):
     return get_peft_config(ModelConfig(
         model_name_or_path=args.model, use_peft=True, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, lora_target_modules=args.lora_target_modules, use_rslora=args.use_rslora))
-
-
-def parse_band(text: str) -> tuple[float, float]:
-    try:
-        low, high = (float(x) for x in text.split(","))
-    except ValueError:
-        raise UsageError(f"--band {text!r}: give two pass rates LOW,HIGH, e.g. 0.1,0.9") from None
-    if not 0 <= low <= high <= 1:
-        raise UsageError(f"--band {text!r}: need 0 <= LOW <= HIGH <= 1")
-    return low, high
 
 
 def say(line: str) -> None:
@@ -738,10 +734,8 @@ class HarborServerSession:
             session_id = self.session_id
         self.closed_event.set()
         if waiting is not None:
-            try:
+            with contextlib.suppress(OSError):
                 waiting.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         if session_id is not None:
             self._release(session_id)
 
@@ -753,16 +747,13 @@ class HarborServerSession:
             self._release(session_id)
 
     def _release(self, session_id: str) -> None:
-        try:
+        # Failing: the server is gone (its slots went with it) or already dropped the session.
+        with contextlib.suppress(OSError, RuntimeError, ValueError):
             conn = self._open_connection(timeout=10)
-        except OSError:
-            return  # the server is gone: its slots went with it
-        try:
-            self._post(conn, "openenv/session/close", {"session_id": session_id})
-        except (OSError, RuntimeError, ValueError):
-            pass  # the server is gone (its slots went with it) or already dropped the session
-        finally:
-            conn.close()
+            try:
+                self._post(conn, "openenv/session/close", {"session_id": session_id})
+            finally:
+                conn.close()
 
     # `HarborEnv.run_rollout` (its exact wire contract) with its MCP calls riding this session. Not a `HarborEnv`
     # instance: its constructor builds an httpx client a rollout never uses, ~20 ms of CPU per rollout (TLS context).
@@ -1510,10 +1501,9 @@ def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
         uuid, pid, mib, name = ([*(x.strip() for x in line.split(",", 3))] + ["", "", "", ""])[:4]
         if not pid.isdigit():
             continue
-        try:  # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_*; nvidia-smi may show only `python`
+        # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_*; nvidia-smi may show only `python`.
+        with contextlib.suppress(OSError):
             name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") or name
-        except OSError:
-            pass
         apps.setdefault(uuid.lower().removeprefix("gpu-"), []).append(
             (int(pid), name, float(mib) / 1024 if mib.replace(".", "").isdigit() else 0.0))
     return apps
@@ -1965,8 +1955,7 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
     solved = scored = done = 0
 
     def run(unit: int) -> tuple[int, HarborSession]:
-        session = HarborSession(factory, units[unit]["prompt"], unit)
-        factory.live_sessions.add(session)
+        session = factory.create(units[unit]["prompt"], unit)
         try:
             session.wait_for_completion()
             if not session._client.closed:
@@ -1977,11 +1966,9 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
 
     stop_reason = None
     pool = ThreadPoolExecutor(max_workers=args.max_inflight, thread_name_prefix="harbor-eval")
-    pending = set()
     jobs = iter([unit for unit in range(len(units)) for _ in range(args.eval_k)])
     try:
-        for job in itertools.islice(jobs, args.max_inflight):
-            pending.add(pool.submit(run, job))
+        pending = {pool.submit(run, job) for job in itertools.islice(jobs, args.max_inflight)}
         while pending:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in finished:
