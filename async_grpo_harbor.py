@@ -59,7 +59,6 @@ import dataclasses
 import difflib
 import functools
 import http.client
-import itertools
 import json
 import math
 import multiprocessing
@@ -81,7 +80,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -1965,29 +1964,24 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
             session.close()
 
     stop_reason = None
-    pool = ThreadPoolExecutor(max_workers=args.max_inflight, thread_name_prefix="harbor-eval")
-    jobs = iter([unit for unit in range(len(units)) for _ in range(args.eval_k)])
+    pool = ThreadPoolExecutor(max_workers=args.max_inflight, thread_name_prefix="harbor-eval")  # --max-inflight at once
     try:
-        pending = {pool.submit(run, job) for job in itertools.islice(jobs, args.max_inflight)}
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                try:
-                    unit, session = future.result()
-                except ValueError as exc:  # record_outcome: --max-consecutive-failures reached
-                    stop_reason = str(exc)
-                    raise KeyboardInterrupt from None
-                outcomes[unit].append(session)
-                scored += session.failure is None
-                solved += session.failure is None and bool(session.result.solved)
-                done += len(outcomes[unit]) == args.eval_k
-                progress.set_postfix_str(f"tasks {done}/{len(units)}, solved "
-                                         f"{f'{solved / scored:.0%}' if scored else '-'}", refresh=False)
-                progress.update(1)
-                if (job := next(jobs, None)) is not None:
-                    pending.add(pool.submit(run, job))
+        for future in as_completed([pool.submit(run, unit) for unit in range(len(units)) for _ in range(args.eval_k)]):
+            try:
+                unit, session = future.result()
+            except ValueError as exc:  # record_outcome: --max-consecutive-failures reached
+                stop_reason = str(exc)
+                raise KeyboardInterrupt from None
+            outcomes[unit].append(session)
+            scored += session.failure is None
+            solved += session.failure is None and bool(session.result.solved)
+            done += len(outcomes[unit]) == args.eval_k
+            progress.set_postfix_str(f"tasks {done}/{len(units)}, solved "
+                                     f"{f'{solved / scored:.0%}' if scored else '-'}", refresh=False)
+            progress.update(1)
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: release the server's slots, keep what finished
         stop_reason = stop_reason or "interrupted"
+        pool.shutdown(wait=False, cancel_futures=True)  # before the sessions close: no queued rollout starts after
         for session in list(factory.live_sessions):
             session.close()
     finally:
