@@ -1085,13 +1085,9 @@ def free_port() -> int:
 
 
 class EmbeddedHarborServer:
-    """`openenv harbor serve` as a child of this process, so one command runs everything after `vllm serve`.
-
-    Bound to 127.0.0.1, with the --expose that --harbor-expose picks (the preflight resolves auto): OpenEnv's
-    default (gradio) opens a public tunnel whatever the sandbox. Its session slots are sized from --max-inflight, its
-    per-turn cap is --max-completion-length, its log goes to the output dir, and it is stopped on every way out of
-    `main`.
-    """
+    """`openenv harbor serve` as a child of this process, so one command runs everything after `vllm serve`. Bound to
+    127.0.0.1, with the --expose that --harbor-expose picks (the preflight resolves auto): OpenEnv's default (gradio)
+    opens a public tunnel whatever the sandbox."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -1362,8 +1358,7 @@ def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str, on_g
     """The precision the trainer scores at against the one vLLM samples at: on a GPU the trainer computes under bf16
     autocast whatever its weights are (the config's bf16, HarborGRPOConfig; accelerate wraps the forward),
     elsewhere in its weights' dtype. TRL's own start-up warning compares weight dtypes only."""
-    if on_gpu is None:
-        on_gpu = args.bf16
+    on_gpu = args.bf16 if on_gpu is None else on_gpu
     trains = trainer_dtype(args)
     computes = "bfloat16" if on_gpu else trains
     weights = f"the trainer's weights are {trains} (--dtype {args.dtype})"
@@ -1611,17 +1606,15 @@ def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
 def check_sandbox_reach(args: argparse.Namespace, pf: Preflight) -> bool:
     """Before starting our own server: what only this process can see (its environment, its PATH)."""
     var = SANDBOX_CREDENTIALS.get(args.sandbox)
-    if var and not os.environ.get(var):
+    credentials = not var or bool(os.environ.get(var))
+    if not credentials:
         pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would fail to start",
                f"export {var} before launching (the Harbor server this script starts inherits it)")
-        credentials = False
     elif args.dataset == DEFAULT_DATASET and not os.environ.get("HF_TOKEN"):
         pf.add("credentials", WARN, "HF_TOKEN is not set: the default suite's tasks fetch their data with it",
                "export HF_TOKEN")
-        credentials = True
     else:
         pf.add("credentials", PASS, f"{var} set" if var else f"{args.sandbox} needs none that this script knows of")
-        credentials = True
     picked, why, known = pick_expose(args)
     probe = "confirm with --check --probe-rollout (one real rollout), or set --harbor-expose"
     if args.harbor_expose == "auto":
@@ -1731,13 +1724,9 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
 def check_tasks(args: argparse.Namespace, pf: Preflight,
                 splits: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]] | None:
     names = [s["name"] for s in splits]
-    if args.split:
-        split = args.split
-    elif args.dataset in names:
-        split = args.dataset
-    else:
-        # A server started on a local copy of the default suite names its split by path.
-        split = names[0] if len(names) == 1 and args.dataset == DEFAULT_DATASET else ""
+    # A server started on a local copy of the default suite names its split by path.
+    default_copy = names[0] if len(names) == 1 and args.dataset == DEFAULT_DATASET else ""
+    split = args.split or (args.dataset if args.dataset in names else default_copy)
     if split not in names:
         pf.add("dataset", FAIL, f"the Harbor server does not serve {args.split or args.dataset!r}; it serves: "
                f"{', '.join(names) or 'nothing'}",
