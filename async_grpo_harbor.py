@@ -279,7 +279,7 @@ class HarborGRPOConfig(AsyncGRPOConfig):
     logging_steps: float = field(default=1, init=False, metadata={"help": "for the per-step rollout accounting"})
     resume_from_checkpoint: str | None = field(default=None, init=False, metadata={"help": "from --resume"})
     # bf16 autocast exists only on GPUs; elsewhere it would score at another precision than the engine. Without CUDA,
-    # ranks join over gloo (join_ranks); accelerate only runs several processes on CPU when told.
+    # ranks join over gloo; accelerate only runs several processes on CPU when told.
     bf16: bool | None = field(default=None, init=False, metadata={"help": "from the hardware (bf16 autocast on GPUs)"})
     use_cpu: bool = field(default=False, init=False, metadata={"help": "from the hardware (CPU without CUDA)"})
     # A loop-owning harness trains the full-vocabulary policy at --temperature: the capture proxy refuses filters.
@@ -2794,7 +2794,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     rank = launch_rank()
-    share = join_ranks(args.ddp_timeout) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    # Under `accelerate launch` / torchrun rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on
+    # the main process only); the others take its plan and run name, so N processes start one server and write one
+    # run. The process group exists already (HarborGRPOConfig, with this timeout); this adds one for Python objects.
+    group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
+             if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
     try:
         code, plan = None, {}
@@ -2808,9 +2812,10 @@ def main(argv: list[str] | None = None) -> int:
             elif args.check:
                 print(f"preflight: no failures ({sum(r[1] == WARN for r in pf.rows)} warnings)", flush=True)
                 code = 0
-        if share is not None:
-            code, plan, args.run_name, args.output_dir, args.harbor_url = share(
-                (code, plan, args.run_name, args.output_dir, args.harbor_url))
+        if group is not None:
+            shared = [(code, plan, args.run_name, args.output_dir, args.harbor_url)]
+            dist.broadcast_object_list(shared, src=0, group=group)
+            code, plan, args.run_name, args.output_dir, args.harbor_url = shared[0]
             args.config.run_name, args.config.output_dir = args.run_name, args.output_dir
         if code is None:
             return run_measure(args, plan) if args.measure else train(args, plan, server)
@@ -2820,7 +2825,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    if share is not None:
+    if group is not None:
         # A group left to the interpreter's exit can abort a rank that ends here (seen after --check: SIGABRT,
         # "terminate called without an active exception").
         dist.destroy_process_group()
@@ -2830,21 +2835,6 @@ def main(argv: list[str] | None = None) -> int:
 def launch_rank() -> int:
     """This process's global rank under `accelerate launch` / torchrun; 0 when launched alone."""
     return int(os.environ.get("RANK", "0"))
-
-
-def join_ranks(timeout_s: int):
-    """Under `accelerate launch` / torchrun: rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on
-    the main process only); the others take its plan and run name, so N processes start one server and write one run.
-    The process group exists already (HarborGRPOConfig, with this timeout); this adds one for Python objects.
-    """
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-    def share(payload):
-        box = [payload]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-
-    return share
 
 
 def process_group_timeout() -> str:
