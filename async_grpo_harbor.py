@@ -1250,11 +1250,11 @@ def check_run_dir(args: argparse.Namespace, pf: Preflight) -> tuple[bool, str | 
 
 def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | None:
     """vLLM as the trainer needs it: the right model, trainable captures, tool calls, weight sync, enough context."""
-    serve_hint = "start it first (the `vllm serve` command in this script's docstring) or fix --vllm-url"
     try:
         served = http_json(f"{args.vllm_url}/v1/models")["data"][0]
     except (OSError, ValueError, KeyError, IndexError) as exc:
-        pf.add("vLLM reachable", FAIL, f"vLLM is not reachable at {args.vllm_url} ({exc})", serve_hint)
+        pf.add("vLLM reachable", FAIL, f"vLLM is not reachable at {args.vllm_url} ({exc})",
+               "start it first (the `vllm serve` command in this script's docstring) or fix --vllm-url")
         return None
     pf.add("vLLM reachable", PASS, f"{args.vllm_url} serves {served['id']}")
 
@@ -1851,8 +1851,8 @@ def numbered_checkpoints(output_dir: str) -> list[Path]:
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why a resume from `path` would fail, or None. Only the state files this script reads are checked: every file of
-    a checkpoint-N is complete once it exists (the staged rename, publish_checkpoint), so what remains is a path that
-    is no checkpoint of this script, or state files damaged since."""
+    a checkpoint-N is complete once it exists (the staged rename, HarborGRPOTrainer._save_checkpoint), so what remains
+    is a path that is no checkpoint of this script, or state files damaged since."""
     try:
         int(json.loads((path / "trainer_state.json").read_text())["global_step"])
         rollout = json.loads((path / "rollout_state.json").read_text())
@@ -2460,22 +2460,6 @@ def resume_command(argv: list[str], output_dir: str) -> str:
     return redact(shlex.join(["uv", "run", Path(sys.argv[0]).name, *kept, "--resume", "auto"]))
 
 
-def publish_checkpoint(staged: Path, final: Path, keep: int | None = None) -> None:
-    """Put a completely written checkpoint in place with one rename, so checkpoint-N is never half-written; then keep
-    the newest `keep` checkpoints.
-
-    transformers rotates checkpoints inside the dir it saved into, the staging dir, which holds only this one: so it
-    never deletes anything there, and the rotation runs here, after the rename, over the run dir.
-    """
-    replaced = final.with_name(f".replaced-{final.name}")
-    if final.exists():  # an unusable checkpoint of this step, from before a fallback to an older one
-        shutil.rmtree(replaced, ignore_errors=True)
-        final.rename(replaced)
-    staged.rename(final)
-    shutil.rmtree(replaced, ignore_errors=True)
-    rotate_checkpoints(str(final.parent), save_total_limit=keep, use_mtime=True)
-
-
 def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
     """Checkpoint the last finished optimizer step, unless a checkpoint already holds it, and ask for a requeue.
     Every rank calls it: a save is a collective (each rank writes its RNG state, FSDP gathers or writes shards)."""
@@ -2742,7 +2726,15 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             state = json.loads(state_file.read_text())
             state["pending"], state["prompt_index"] = self.resume_position()
             state_file.write_text(json.dumps(state))  # in the staging dir: published whole by the rename below
-            publish_checkpoint(staging / name, run_dir / name, keep=self.args.save_total_limit)
+            # One rename puts the whole checkpoint in place. transformers rotated checkpoints in the dir it saved into,
+            # the staging dir, which holds only this one: the rotation runs here, after the rename, over the run dir.
+            final, replaced = run_dir / name, run_dir / f".replaced-{name}"
+            if final.exists():  # an unusable checkpoint of this step, from before a fallback to an older one
+                shutil.rmtree(replaced, ignore_errors=True)
+                final.rename(replaced)
+            (staging / name).rename(final)
+            shutil.rmtree(replaced, ignore_errors=True)
+            rotate_checkpoints(str(run_dir), save_total_limit=self.args.save_total_limit, use_mtime=True)
             staging.rmdir()
 
         def log(self, logs, start_time=None):
