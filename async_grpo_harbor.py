@@ -120,8 +120,6 @@ ROLLOUTS_FAILING = "harbor rollouts failing:"
 NO_SIGNAL = "harbor groups carry no signal:"
 # EX_TEMPFAIL: "stopped on request, a checkpoint holds everything; relaunch me". SLURM wrappers requeue on it.
 REQUEUE_EXIT_CODE = 75
-# What SLURM, scancel and `kill` send to stop a run: the trainer checkpoints on them (StopRequest).
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
 
 
 # --- Arguments --------------------------------------------------------------------------------------------------------
@@ -1410,8 +1408,7 @@ def trainer_dtype(args: argparse.Namespace) -> str | None:
 
 
 def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> dict[str, Any]:
-    """What only the trainer's own machine can tell, before any weights load: whether its updates land at this
-    precision, whether its checkpoints fit the disk, whether its GPUs are free and can run TRL's attention kernel."""
+    """What only the trainer's own machine can tell, before any weights load."""
     facts: dict[str, Any] = {}
     dtype = trainer_dtype(args)
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and dtype not in (None, "float32"):
@@ -1512,15 +1509,13 @@ def check_trainer_gpus(pf: Preflight) -> None:
     fix = ("give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, CUDA_VISIBLE_DEVICES=1 "
            "for this script (NCCL refuses two ranks on one device)")
     apps = gpu_processes()
-    local = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+    # The trainer's ranks on this node take the first visible GPUs, one each.
+    local = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()) if apps is not None else 0
     held, shared, free = [], [], []
-    for index in range(local):  # the trainer's ranks on this node take the first visible GPUs, one each
+    for index in range(local):
         props = torch.cuda.get_device_properties(index)
         label = f"cuda:{index} ({props.name})"
-        if apps is None:
-            continue
-        others = [a for a in apps.get(str(getattr(props, "uuid", "")).lower().removeprefix("gpu-"), [])
-                  if a[0] != os.getpid()]
+        others = [a for a in apps.get(str(props.uuid).lower().removeprefix("gpu-"), []) if a[0] != os.getpid()]
         vllm = [a for a in others if "vllm" in a[1].lower()]
         if vllm:
             held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
@@ -1533,8 +1528,7 @@ def check_trainer_gpus(pf: Preflight) -> None:
     elif apps is None:
         # No nvidia-smi (or none that answers): memory is all that can be seen, and only for rank 0's own GPU.
         free_b, total_b = torch.cuda.mem_get_info(0)
-        in_use = (total_b - free_b) / total_b
-        pf.add("trainer GPU", WARN if in_use > 0.25 else PASS,
+        pf.add("trainer GPU", WARN if (total_b - free_b) / total_b > 0.25 else PASS,
                f"cuda:0: {(total_b - free_b) / 2**30:.1f} of {total_b / 2**30:.0f} GiB already in use (nvidia-smi "
                "unavailable, so who holds it is unknown)", fix)
     elif shared:
@@ -1924,13 +1918,9 @@ PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass
 
 def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
                        llm: dict[str, Any], label: str = "group") -> list[dict[str, Any]]:
-    """--eval-k rollouts of every task (under every harness), through the session code training uses.
-
-    A rollout is solved when the verifier's reward (after --reward-key) is > 0, as OpenEnv's `result.solved` reads
-    it: partial credit counts, and mean_reward says how much. Unscorable rollouts are errors, left out of the pass
-    rate as they are left out of a GRPO baseline. Returns one row per (task, harness) that finished; Ctrl-C or a run
-    of failures keeps what finished.
-    """
+    """--eval-k rollouts of every task (under every harness), through the session code training uses. Solved: the
+    verifier's reward (after --reward-key) is > 0, as OpenEnv's `result.solved` reads it (partial credit counts;
+    mean_reward says how much). Unscorable rollouts are errors, left out of the pass rate as out of a GRPO baseline."""
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     factory = HarborSessionFactory(
         **session_settings(args), sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
@@ -2012,8 +2002,7 @@ EVAL_COLUMNS = ["step", "task", "index", "harness", "k", "solved", "pass_rate", 
 
 
 def held_out_eval(args: argparse.Namespace, plan: dict[str, Any], step: int) -> dict[str, float]:
-    """--eval-tasks: measure_pass_rates over the held-out tasks, on the weights of optimizer step `step` (0: before
-    training), appended to <output dir>/eval.csv; returns the eval/* figures to log."""
+    """--eval-tasks on the weights of optimizer step `step` (0: before training): eval.csv rows, eval/* metrics."""
     rows = measure_pass_rates(args, plan["split"], plan["eval_tasks"], plan["llm"], label="held-out eval")
     write_pass_rates(Path(args.output_dir) / "eval.csv", [{"step": step, **r} for r in rows], EVAL_COLUMNS,
                      append=True)
@@ -2775,7 +2764,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
 
 # --- Main -------------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    for signum in STOP_SIGNALS:
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # what SLURM, scancel and `kill` send to stop a run
         signal.signal(signum, STOP.handle)
     try:
         args = parse_args(argv)
