@@ -1131,13 +1131,6 @@ class EmbeddedHarborServer:
         self.stop()
         raise UsageError(f"the Harbor server did not answer within {timeout_s:.0f}s; see {self.log_path}")
 
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return redact("\n".join(f"    {line}" for line in tail))
-
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
@@ -1634,7 +1627,9 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
         try:
             seconds = server.start(served["id"])
         except UsageError as exc:
-            pf.add("Harbor server", FAIL, f"{exc}\n{server.log_tail()}", "fix what its log says, or pass --harbor-url")
+            tail = server.log_path.read_text(errors="replace").splitlines()[-15:]
+            pf.add("Harbor server", FAIL, "\n".join([str(exc), *(f"    {line}" for line in tail)]),
+                   "fix what its log says, or pass --harbor-url")
             return None
         args.harbor_url = server.url
         pf.add("Harbor server", PASS, f"started {server.url} in {seconds:.0f}s (log: {server.log_path})")
