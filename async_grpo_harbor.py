@@ -472,17 +472,14 @@ def print_table(title: str, rows: dict[str, Any]) -> None:
     print(f"\n{title}\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items()) + "\n", flush=True)
 
 
-# Shapes of the credentials our users carry (HF, OpenAI-style, E2B), for text that comes from the Harbor server,
-# whose environment we cannot see.
-SECRET_SHAPES = re.compile(r"\b(hf_|sk-|e2b_)[A-Za-z0-9_-]{8,}")
-
-
 def redact(text: str) -> str:
     """Blank out secret-looking environment values and token shapes, so no message we print leaks a credential."""
     for name, value in os.environ.items():
         if len(value) >= 6 and re.search(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", name, re.I):
             text = text.replace(value, f"<{name}>")
-    return SECRET_SHAPES.sub(lambda m: f"{m[1]}<redacted>", text)
+    # Shapes of the credentials our users carry (HF, OpenAI-style, E2B), for text that comes from the Harbor server,
+    # whose environment we cannot see.
+    return re.sub(r"\b(hf_|sk-|e2b_)[A-Za-z0-9_-]{8,}", lambda m: f"{m[1]}<redacted>", text)
 
 
 # --- Tasks ------------------------------------------------------------------------------------------------------------
