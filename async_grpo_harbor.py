@@ -516,10 +516,8 @@ def resolve_tasks(entries: list[tuple[str, str]], catalogue: list[dict[str, Any]
     n = len(catalogue)
     chosen = []
     for entry, where in entries:
-        if re.fullmatch(r"\d+", entry):
-            indices = [int(entry)]
-        elif m := re.fullmatch(r"(\d+)-(\d+)", entry):
-            indices = list(range(int(m[1]), int(m[2]) + 1))
+        if m := re.fullmatch(r"(\d+)(?:-(\d+))?", entry):
+            indices = range(int(m[1]), int(m[2] or m[1]) + 1)
         elif entry in by_name:
             chosen.append(by_name[entry])
             continue
@@ -527,8 +525,7 @@ def resolve_tasks(entries: list[tuple[str, str]], catalogue: list[dict[str, Any]
             close = difflib.get_close_matches(entry, list(by_name), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise UsageError(f"{where}: no task named {entry!r} in the served split ({n} tasks){hint}")
-        bad = [i for i in indices if i >= n]
-        if bad:
+        if bad := [i for i in indices if i >= n]:
             raise UsageError(f"{where}: task index {bad[0]} is out of range: the served split has {n} tasks "
                              f"(0-{n - 1})")
         chosen += [catalogue[i] for i in indices]
