@@ -1797,12 +1797,10 @@ def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborSer
     plan["max_model_len"] = served["max_model_len"]
     if not (writable and reachable and task_spec_ok):
         return plan
-    found = check_harbor(args, pf, served, server)
-    if found is None:
+    if (found := check_harbor(args, pf, served, server)) is None:
         return plan
     splits, plan["llm"] = found
-    chosen = check_tasks(args, pf, splits)
-    if chosen is None:
+    if (chosen := check_tasks(args, pf, splits)) is None:
         return plan
     plan["split"], plan["tasks"] = chosen
     if args.eval_tasks and not args.measure:
