@@ -52,12 +52,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
+import csv
+import ctypes
 import dataclasses
 import difflib
 import functools
 import http.client
-import itertools
 import json
+import math
 import multiprocessing
 import os
 import queue
@@ -76,13 +79,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-if TYPE_CHECKING:
-    from openenv.harbor.models import HarborRolloutResult
+from typing import Any, NamedTuple
 
 # The script is written against trl==1.16.0's experimental AsyncGRPO (pinned above); TRL's two-line warning about that
 # API would otherwise open every refusal and the rollout child's log.
@@ -91,11 +92,23 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import yaml  # noqa: E402
 from accelerate import PartialState  # noqa: E402
+from accelerate.utils import broadcast_object_list, is_peft_model  # noqa: E402
+from datasets import Dataset  # noqa: E402
 from openenv.core.harness import ResourceSession, ResourceSessionFactory, TrainingTrace, VerifyResult  # noqa: E402
-from trl import TrlParser  # noqa: E402
-from trl.experimental.async_grpo import AsyncGRPOConfig  # noqa: E402
+from openenv.core.harness.capture.upstream import training_sampling  # noqa: E402
+from openenv.core.harness.capture.validate_llm import validate_llm  # noqa: E402
+from openenv.harbor.capabilities import HOST_SIDE_AGENTS  # noqa: E402
+from openenv.harbor.client import HarborEnv  # noqa: E402
+from openenv.harbor.models import HarborRolloutResult  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback  # noqa: E402
+from transformers.trainer_utils import rotate_checkpoints, sort_checkpoints  # noqa: E402
+from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, packing  # noqa: E402
+from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params  # noqa: E402
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop  # noqa: E402
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
@@ -106,8 +119,6 @@ ROLLOUTS_FAILING = "harbor rollouts failing:"
 NO_SIGNAL = "harbor groups carry no signal:"
 # EX_TEMPFAIL: "stopped on request, a checkpoint holds everything; relaunch me". SLURM wrappers requeue on it.
 REQUEUE_EXIT_CODE = 75
-# What SLURM, scancel and `kill` send to stop a run: the trainer checkpoints on them (StopRequest).
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
 
 
 # --- Arguments --------------------------------------------------------------------------------------------------------
@@ -265,7 +276,7 @@ class HarborGRPOConfig(AsyncGRPOConfig):
     logging_steps: float = field(default=1, init=False, metadata={"help": "for the per-step rollout accounting"})
     resume_from_checkpoint: str | None = field(default=None, init=False, metadata={"help": "from --resume"})
     # bf16 autocast exists only on GPUs; elsewhere it would score at another precision than the engine. Without CUDA,
-    # ranks join over gloo (join_ranks); accelerate only runs several processes on CPU when told.
+    # ranks join over gloo; accelerate only runs several processes on CPU when told.
     bf16: bool | None = field(default=None, init=False, metadata={"help": "from the hardware (bf16 autocast on GPUs)"})
     use_cpu: bool = field(default=False, init=False, metadata={"help": "from the hardware (CPU without CUDA)"})
     # A loop-owning harness trains the full-vocabulary policy at --temperature: the capture proxy refuses filters.
@@ -397,15 +408,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--lora-r must be >= 1 (got {args.lora_r})")
     args.measure = args.eval_only or args.curate == ""
     args.eval_steps = int(args.eval_steps)
-    strategy = args.trl.get("eval_strategy", "no")
-    if str(getattr(strategy, "value", strategy)) != "no":
-        raise UsageError(f"--eval-strategy {getattr(strategy, 'value', strategy)}: AsyncGRPOTrainer takes no eval "
+    if config.eval_strategy != "no":  # transformers' IntervalStrategy, a str
+        raise UsageError(f"--eval-strategy {config.eval_strategy.value}: AsyncGRPOTrainer takes no eval "
                          "dataset; measure held-out Harbor tasks during training with --eval-tasks SPEC --eval-steps N "
                          "--eval-k K")
     args.harnesses = [name.strip() for name in args.harness.split(",") if name.strip()]
     if not args.harnesses:
         raise UsageError("--harness is empty; name one, e.g. mini-swe-agent, or several: mini-swe-agent,terminus-2")
-    args.band = parse_band(args.band)
+    try:
+        low, high = (float(x) for x in args.band.split(","))
+    except ValueError:
+        raise UsageError(f"--band {args.band!r}: give two pass rates LOW,HIGH, e.g. 0.1,0.9") from None
+    if not 0 <= low <= high <= 1:
+        raise UsageError(f"--band {args.band!r}: need 0 <= LOW <= HIGH <= 1")
+    args.band = low, high
     if args.max_inflight < args.num_generations and not args.measure:
         raise UsageError(f"--max-inflight ({args.max_inflight}) must be >= --num-generations "
                          f"({args.num_generations}): a group is only scored once all its rollouts finished")
@@ -438,21 +454,9 @@ def peft_config(args: argparse.Namespace):
     """The LoraConfig of --use-peft, by TRL's own ModelConfig -> get_peft_config; None without it."""
     if not args.use_peft:
         return None
-    from trl import ModelConfig, get_peft_config
-
     return get_peft_config(ModelConfig(
         model_name_or_path=args.model, use_peft=True, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, lora_target_modules=args.lora_target_modules, use_rslora=args.use_rslora))
-
-
-def parse_band(text: str) -> tuple[float, float]:
-    try:
-        low, high = (float(x) for x in text.split(","))
-    except ValueError:
-        raise UsageError(f"--band {text!r}: give two pass rates LOW,HIGH, e.g. 0.1,0.9") from None
-    if not 0 <= low <= high <= 1:
-        raise UsageError(f"--band {text!r}: need 0 <= LOW <= HIGH <= 1")
-    return low, high
 
 
 def say(line: str) -> None:
@@ -467,17 +471,14 @@ def print_table(title: str, rows: dict[str, Any]) -> None:
     print(f"\n{title}\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items()) + "\n", flush=True)
 
 
-# Shapes of the credentials our users carry (HF, OpenAI-style, E2B), for text that comes from the Harbor server,
-# whose environment we cannot see.
-SECRET_SHAPES = re.compile(r"\b(hf_|sk-|e2b_)[A-Za-z0-9_-]{8,}")
-
-
 def redact(text: str) -> str:
     """Blank out secret-looking environment values and token shapes, so no message we print leaks a credential."""
     for name, value in os.environ.items():
         if len(value) >= 6 and re.search(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", name, re.I):
             text = text.replace(value, f"<{name}>")
-    return SECRET_SHAPES.sub(lambda m: f"{m[1]}<redacted>", text)
+    # Shapes of the credentials our users carry (HF, OpenAI-style, E2B), for text that comes from the Harbor server,
+    # whose environment we cannot see.
+    return re.sub(r"\b(hf_|sk-|e2b_)[A-Za-z0-9_-]{8,}", lambda m: f"{m[1]}<redacted>", text)
 
 
 # --- Tasks ------------------------------------------------------------------------------------------------------------
@@ -514,10 +515,8 @@ def resolve_tasks(entries: list[tuple[str, str]], catalogue: list[dict[str, Any]
     n = len(catalogue)
     chosen = []
     for entry, where in entries:
-        if re.fullmatch(r"\d+", entry):
-            indices = [int(entry)]
-        elif m := re.fullmatch(r"(\d+)-(\d+)", entry):
-            indices = list(range(int(m[1]), int(m[2]) + 1))
+        if m := re.fullmatch(r"(\d+)(?:-(\d+))?", entry):
+            indices = range(int(m[1]), int(m[2] or m[1]) + 1)
         elif entry in by_name:
             chosen.append(by_name[entry])
             continue
@@ -525,8 +524,7 @@ def resolve_tasks(entries: list[tuple[str, str]], catalogue: list[dict[str, Any]
             close = difflib.get_close_matches(entry, list(by_name), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise UsageError(f"{where}: no task named {entry!r} in the served split ({n} tasks){hint}")
-        bad = [i for i in indices if i >= n]
-        if bad:
+        if bad := [i for i in indices if i >= n]:
             raise UsageError(f"{where}: task index {bad[0]} is out of range: the served split has {n} tasks "
                              f"(0-{n - 1})")
         chosen += [catalogue[i] for i in indices]
@@ -726,10 +724,8 @@ class HarborServerSession:
             session_id = self.session_id
         self.closed_event.set()
         if waiting is not None:
-            try:
+            with contextlib.suppress(OSError):
                 waiting.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         if session_id is not None:
             self._release(session_id)
 
@@ -741,22 +737,17 @@ class HarborServerSession:
             self._release(session_id)
 
     def _release(self, session_id: str) -> None:
-        try:
+        # Failing: the server is gone (its slots went with it) or already dropped the session.
+        with contextlib.suppress(OSError, RuntimeError, ValueError):
             conn = self._open_connection(timeout=10)
-        except OSError:
-            return  # the server is gone: its slots went with it
-        try:
-            self._post(conn, "openenv/session/close", {"session_id": session_id})
-        except (OSError, RuntimeError, ValueError):
-            pass  # the server is gone (its slots went with it) or already dropped the session
-        finally:
-            conn.close()
+            try:
+                self._post(conn, "openenv/session/close", {"session_id": session_id})
+            finally:
+                conn.close()
 
     # `HarborEnv.run_rollout` (its exact wire contract) with its MCP calls riding this session. Not a `HarborEnv`
     # instance: its constructor builds an httpx client a rollout never uses, ~20 ms of CPU per rollout (TLS context).
     def run_rollout(self, **kwargs: Any) -> HarborRolloutResult:
-        from openenv.harbor.client import HarborEnv
-
         return HarborEnv.run_rollout(self, **kwargs)
 
     def _call(self, name: str, **kwargs: Any) -> Any:
@@ -1103,22 +1094,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    # The kernel sends SIGTERM to the Harbor server this script starts when its parent thread ends, even by SIGKILL or
-    # OOM, when no cleanup of ours runs.
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class EmbeddedHarborServer:
-    """`openenv harbor serve` as a child of this process, so one command runs everything after `vllm serve`.
-
-    Bound to 127.0.0.1, with the --expose that --harbor-expose picks (the preflight resolves auto): OpenEnv's
-    default (gradio) opens a public tunnel whatever the sandbox. Its session slots are sized from --max-inflight, its
-    per-turn cap is --max-completion-length, its log goes to the output dir, and it is stopped on every way out of
-    `main`.
-    """
+    """`openenv harbor serve` as a child of this process, so one command runs everything after `vllm serve`. Bound to
+    127.0.0.1, with the --expose that --harbor-expose picks (the preflight resolves auto): OpenEnv's default (gradio)
+    opens a public tunnel whatever the sandbox."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -1143,9 +1122,12 @@ class EmbeddedHarborServer:
             log.write(f"\n===== {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: {shlex.join(cmd)}\n")
             log.flush()
             try:
+                # PR_SET_PDEATHSIG (prctl 1): the kernel sends the server SIGTERM when its parent thread ends, even by
+                # SIGKILL or OOM, when no cleanup of ours runs.
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              env={**os.environ, "MAX_CONCURRENT_ENVS": str(slots)},
-                                             start_new_session=True, preexec_fn=_die_with_parent)
+                                             start_new_session=True,
+                                             preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGTERM))
             except OSError as exc:
                 raise UsageError(f"cannot start the Harbor server `{shlex.join(cmd[:4])}` ({exc.strerror}); "
                                  "install openenv[harbor] (Python >= 3.12) or set --harbor-command") from None
@@ -1160,13 +1142,6 @@ class EmbeddedHarborServer:
                 time.sleep(0.5)
         self.stop()
         raise UsageError(f"the Harbor server did not answer within {timeout_s:.0f}s; see {self.log_path}")
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return redact("\n".join(f"    {line}" for line in tail))
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
@@ -1244,12 +1219,6 @@ def harbor_environment_types() -> set[str]:
     return {t.value for t in EnvironmentType}
 
 
-def endpoint(url: str) -> tuple[str | None, int | None]:
-    # Names are compared as given: this host cannot tell the server's localhost from ours (--allow-engine-mismatch).
-    parts = urllib.parse.urlsplit(url)
-    return parts.hostname, parts.port
-
-
 def http_json(url: str, timeout: float = 10.0) -> Any:
     """TRL's VLLMClient reads /v1/models and /server_info too, but with no timeout (a port that accepts and never
     answers hangs the preflight) and without the served model's id."""
@@ -1284,13 +1253,11 @@ def check_run_dir(args: argparse.Namespace, pf: Preflight) -> tuple[bool, str | 
 
 def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | None:
     """vLLM as the trainer needs it: the right model, trainable captures, tool calls, weight sync, enough context."""
-    from openenv.core.harness.capture.validate_llm import validate_llm
-
-    serve_hint = "start it first (the `vllm serve` command in this script's docstring) or fix --vllm-url"
     try:
         served = http_json(f"{args.vllm_url}/v1/models")["data"][0]
     except (OSError, ValueError, KeyError, IndexError) as exc:
-        pf.add("vLLM reachable", FAIL, f"vLLM is not reachable at {args.vllm_url} ({exc})", serve_hint)
+        pf.add("vLLM reachable", FAIL, f"vLLM is not reachable at {args.vllm_url} ({exc})",
+               "start it first (the `vllm serve` command in this script's docstring) or fix --vllm-url")
         return None
     pf.add("vLLM reachable", PASS, f"{args.vllm_url} serves {served['id']}")
 
@@ -1394,8 +1361,7 @@ def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str, on_g
     """The precision the trainer scores at against the one vLLM samples at: on a GPU the trainer computes under bf16
     autocast whatever its weights are (the config's bf16, HarborGRPOConfig; accelerate wraps the forward),
     elsewhere in its weights' dtype. TRL's own start-up warning compares weight dtypes only."""
-    if on_gpu is None:
-        on_gpu = args.bf16
+    on_gpu = args.bf16 if on_gpu is None else on_gpu
     trains = trainer_dtype(args)
     computes = "bfloat16" if on_gpu else trains
     weights = f"the trainer's weights are {trains} (--dtype {args.dtype})"
@@ -1425,25 +1391,10 @@ def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str, on_g
 @functools.cache
 def model_shape(model: str) -> tuple[int, str]:
     """(parameters, checkpoint dtype) of --model, from its config alone: no weights are read."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     return params, str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
-
-
-def adapter_params(args: argparse.Namespace) -> int:
-    """Trainable parameters of --use-peft's adapter on --model, counted on the meta device: no weights are read."""
-    import torch
-    from peft import get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
-                               peft_config(args))
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def model_shape_error(args: argparse.Namespace) -> str | None:
@@ -1462,12 +1413,7 @@ def trainer_dtype(args: argparse.Namespace) -> str | None:
 
 
 def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> dict[str, Any]:
-    """What only the trainer's own machine can tell, before any weights load: whether its updates land at this
-    precision, whether its checkpoints fit the disk, whether its GPUs are free and can run TRL's attention kernel."""
-    import math
-
-    import torch
-
+    """What only the trainer's own machine can tell, before any weights load."""
     facts: dict[str, Any] = {}
     dtype = trainer_dtype(args)
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and dtype not in (None, "float32"):
@@ -1509,8 +1455,12 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
         free = shutil.disk_usage(args.output_dir).free
         written = f"{kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written"
         if args.use_peft:
+            from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
+
             # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
-            adapter = adapter_params(args)
+            with torch.device("meta"):  # no weights are read
+                base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+                adapter = get_peft_model(base, peft_config(args)).get_nb_trainable_parameters()[0]
             facts["checkpoint_bytes"] = size = adapter * 4 * 3
             merged = params * width  # <output dir>/merged, written once at the end
             peak = (kept + 1) * size + merged
@@ -1547,18 +1497,15 @@ def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
         uuid, pid, mib, name = ([*(x.strip() for x in line.split(",", 3))] + ["", "", "", ""])[:4]
         if not pid.isdigit():
             continue
-        try:  # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_*; nvidia-smi may show only `python`
+        # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_*; nvidia-smi may show only `python`.
+        with contextlib.suppress(OSError):
             name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") or name
-        except OSError:
-            pass
         apps.setdefault(uuid.lower().removeprefix("gpu-"), []).append(
             (int(pid), name, float(mib) / 1024 if mib.replace(".", "").isdigit() else 0.0))
     return apps
 
 
 def check_trainer_gpus(pf: Preflight) -> None:
-    import torch
-
     if not torch.cuda.is_available():
         pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
         pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
@@ -1567,15 +1514,13 @@ def check_trainer_gpus(pf: Preflight) -> None:
     fix = ("give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, CUDA_VISIBLE_DEVICES=1 "
            "for this script (NCCL refuses two ranks on one device)")
     apps = gpu_processes()
-    local = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+    # The trainer's ranks on this node take the first visible GPUs, one each.
+    local = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()) if apps is not None else 0
     held, shared, free = [], [], []
-    for index in range(local):  # the trainer's ranks on this node take the first visible GPUs, one each
+    for index in range(local):
         props = torch.cuda.get_device_properties(index)
         label = f"cuda:{index} ({props.name})"
-        if apps is None:
-            continue
-        others = [a for a in apps.get(str(getattr(props, "uuid", "")).lower().removeprefix("gpu-"), [])
-                  if a[0] != os.getpid()]
+        others = [a for a in apps.get(str(props.uuid).lower().removeprefix("gpu-"), []) if a[0] != os.getpid()]
         vllm = [a for a in others if "vllm" in a[1].lower()]
         if vllm:
             held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
@@ -1588,8 +1533,7 @@ def check_trainer_gpus(pf: Preflight) -> None:
     elif apps is None:
         # No nvidia-smi (or none that answers): memory is all that can be seen, and only for rank 0's own GPU.
         free_b, total_b = torch.cuda.mem_get_info(0)
-        in_use = (total_b - free_b) / total_b
-        pf.add("trainer GPU", WARN if in_use > 0.25 else PASS,
+        pf.add("trainer GPU", WARN if (total_b - free_b) / total_b > 0.25 else PASS,
                f"cuda:0: {(total_b - free_b) / 2**30:.1f} of {total_b / 2**30:.0f} GiB already in use (nvidia-smi "
                "unavailable, so who holds it is unknown)", fix)
     elif shared:
@@ -1602,8 +1546,6 @@ def check_trainer_gpus(pf: Preflight) -> None:
 def check_attention_kernel(pf: Preflight) -> None:
     """TRL's own kernel loader, now: the hub download and the GPU check take seconds here, not a failed first step
     after weights, the first weight push and the first paid sandbox group. TRL caches the module it returns."""
-    import torch
-
     repo = "kernels-community/aiter-flash-attn (version 2)" if torch.version.hip else \
         "kernels-community/flash-attn3 (version 1)"
     props = torch.cuda.get_device_properties(0)
@@ -1611,8 +1553,6 @@ def check_attention_kernel(pf: Preflight) -> None:
     gpu_fix = ("TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
               "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
     try:
-        from trl.experimental.async_grpo import packing
-
         kernel = packing._flash_attn()
     except ImportError as exc:
         pf.add("attention kernel", FAIL, f"TRL's tree attention imports `kernels`: {exc}",
@@ -1646,8 +1586,6 @@ def check_attention_kernel(pf: Preflight) -> None:
 def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
     """--harbor-expose auto: (the server's --expose, why, whether the rule knows). The harness, not the trainer,
     calls the capture proxy, from wherever it runs."""
-    from openenv.harbor.capabilities import HOST_SIDE_AGENTS
-
     in_sandbox = [h for h in args.harnesses if h not in HOST_SIDE_AGENTS]
     if not in_sandbox:
         return "direct", (f"{args.harness} runs host-side, in the Harbor server's process (openenv's "
@@ -1667,17 +1605,15 @@ def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
 def check_sandbox_reach(args: argparse.Namespace, pf: Preflight) -> bool:
     """Before starting our own server: what only this process can see (its environment, its PATH)."""
     var = SANDBOX_CREDENTIALS.get(args.sandbox)
-    if var and not os.environ.get(var):
+    credentials = not var or bool(os.environ.get(var))
+    if not credentials:
         pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would fail to start",
                f"export {var} before launching (the Harbor server this script starts inherits it)")
-        credentials = False
     elif args.dataset == DEFAULT_DATASET and not os.environ.get("HF_TOKEN"):
         pf.add("credentials", WARN, "HF_TOKEN is not set: the default suite's tasks fetch their data with it",
                "export HF_TOKEN")
-        credentials = True
     else:
         pf.add("credentials", PASS, f"{var} set" if var else f"{args.sandbox} needs none that this script knows of")
-        credentials = True
     picked, why, known = pick_expose(args)
     probe = "confirm with --check --probe-rollout (one real rollout), or set --harbor-expose"
     if args.harbor_expose == "auto":
@@ -1699,13 +1635,13 @@ def check_sandbox_reach(args: argparse.Namespace, pf: Preflight) -> bool:
 def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any],
                  server: EmbeddedHarborServer | None) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
     """The server's splits and its engine report, once harness, sandbox and session slots are known to work."""
-    from openenv.harbor.client import HarborEnv
-
     if server is not None:
         try:
             seconds = server.start(served["id"])
         except UsageError as exc:
-            pf.add("Harbor server", FAIL, f"{exc}\n{server.log_tail()}", "fix what its log says, or pass --harbor-url")
+            tail = server.log_path.read_text(errors="replace").splitlines()[-15:]
+            pf.add("Harbor server", FAIL, "\n".join([str(exc), *(f"    {line}" for line in tail)]),
+                   "fix what its log says, or pass --harbor-url")
             return None
         args.harbor_url = server.url
         pf.add("Harbor server", PASS, f"started {server.url} in {seconds:.0f}s (log: {server.log_path})")
@@ -1750,6 +1686,8 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
         pf.add("sandbox", PASS, f"{args.sandbox} ({box.get('detail') or 'available'})")
 
     llm = caps.get("llm") or {}
+    # Names are compared as given: this host cannot tell the server's localhost from ours (--allow-engine-mismatch).
+    engine, ours = (urllib.parse.urlsplit(url) for url in (llm.get("url", ""), args.vllm_url))
     if args.measure:
         pf.add("server's engine", PASS, f"{llm.get('url')}: {llm.get('capture_level') or '?'} capture (measuring needs "
                "no token ids)")
@@ -1758,34 +1696,38 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
                f"(capture level {llm.get('capture_level') or 'unknown'}): vLLM must run with "
                "--return-tokens-as-token-ids and --logprobs-mode processed_logprobs",
                "restart vLLM with those flags, then the Harbor server")
-    elif endpoint(llm.get("url", "")) != endpoint(args.vllm_url):
+    elif (engine.hostname, engine.port) != (ours.hostname, ours.port):
         pf.add("server's engine", WARN if args.allow_engine_mismatch else FAIL, f"the Harbor server samples from "
                f"{llm.get('url')} but weights go to {args.vllm_url}: unless they are the same vLLM, no rollout uses "
                "the trained weights", "point both at the same vLLM, or pass --allow-engine-mismatch if they are")
     else:
         pf.add("server's engine", PASS, f"{llm.get('url')}: tokens, the vLLM the trainer updates")
 
-    # Held-out evals run beside training's rollouts, each with up to --max-inflight at once.
+    # Taken and released: a short server fails every rollout. Held-out evals run beside training's rollouts, each with
+    # up to --max-inflight at once.
     needed = args.max_inflight * (2 if args.eval_tasks and not args.measure else 1)
+    sessions = [HarborServerSession(args.harbor_url, timeout_s=30) for _ in range(needed)]
     try:
-        check_session_capacity(args.harbor_url, needed)
+        for opened, session in enumerate(sessions):
+            session.open()
         pf.add("session slots", PASS, f">= {needed} free (--max-inflight"
                f"{', twice: --eval-tasks' if needed > args.max_inflight else ''})")
-    except UsageError as exc:
-        pf.add("session slots", FAIL, str(exc))
-    return splits, caps.get("llm") or {}
+    except (OSError, RuntimeError) as exc:
+        pf.add("session slots", FAIL, f"the Harbor server has only {opened} free session slots of the {needed} that "
+               f"--max-inflight (x2 with --eval-tasks) needs ({exc}); restart it with MAX_CONCURRENT_ENVS="
+               f"{2 * needed} (twice that leaves room for a previous run's sessions)")
+    finally:
+        for session in sessions:
+            session.close()
+    return splits, llm
 
 
 def check_tasks(args: argparse.Namespace, pf: Preflight,
                 splits: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]] | None:
     names = [s["name"] for s in splits]
-    if args.split:
-        split = args.split
-    elif args.dataset in names:
-        split = args.dataset
-    else:
-        # A server started on a local copy of the default suite names its split by path.
-        split = names[0] if len(names) == 1 and args.dataset == DEFAULT_DATASET else ""
+    # A server started on a local copy of the default suite names its split by path.
+    default_copy = names[0] if len(names) == 1 and args.dataset == DEFAULT_DATASET else ""
+    split = args.split or (args.dataset if args.dataset in names else default_copy)
     if split not in names:
         pf.add("dataset", FAIL, f"the Harbor server does not serve {args.split or args.dataset!r}; it serves: "
                f"{', '.join(names) or 'nothing'}",
@@ -1873,12 +1815,10 @@ def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborSer
     plan["max_model_len"] = served["max_model_len"]
     if not (writable and reachable and task_spec_ok):
         return plan
-    found = check_harbor(args, pf, served, server)
-    if found is None:
+    if (found := check_harbor(args, pf, served, server)) is None:
         return plan
     splits, plan["llm"] = found
-    chosen = check_tasks(args, pf, splits)
-    if chosen is None:
+    if (chosen := check_tasks(args, pf, splits)) is None:
         return plan
     plan["split"], plan["tasks"] = chosen
     if args.eval_tasks and not args.measure:
@@ -1893,24 +1833,7 @@ def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborSer
     return plan
 
 
-def check_session_capacity(harbor_url: str, needed: int) -> None:
-    """Take and release as many server sessions as rollouts will run at once: a short server fails every rollout."""
-    sessions = [HarborServerSession(harbor_url, timeout_s=30) for _ in range(needed)]
-    try:
-        for opened, session in enumerate(sessions):
-            session.open()
-    except (OSError, RuntimeError) as exc:
-        raise UsageError(f"the Harbor server has only {opened} free session slots of the {needed} that "
-                         f"--max-inflight (x2 with --eval-tasks) needs ({exc}); restart it with MAX_CONCURRENT_ENVS="
-                         f"{2 * needed} (twice that leaves room for a previous run's sessions)") from None
-    finally:
-        for session in sessions:
-            session.close()
-
-
 def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
-    from openenv.harbor.client import HarborEnv
-
     client = HarborEnv(base_url=harbor_url)
     try:
         total = client.num_tasks(split)
@@ -1922,15 +1845,13 @@ def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[s
 
 def numbered_checkpoints(output_dir: str) -> list[Path]:
     """checkpoint-N dirs, newest first, as transformers rotates them (its get_last_checkpoint gives only the newest)."""
-    from transformers.trainer_utils import sort_checkpoints
-
     return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
 
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why a resume from `path` would fail, or None. Only the state files this script reads are checked: every file of
-    a checkpoint-N is complete once it exists (the staged rename, publish_checkpoint), so what remains is a path that
-    is no checkpoint of this script, or state files damaged since."""
+    a checkpoint-N is complete once it exists (the staged rename, HarborGRPOTrainer._save_checkpoint), so what remains
+    is a path that is no checkpoint of this script, or state files damaged since."""
     try:
         int(json.loads((path / "trainer_state.json").read_text())["global_step"])
         rollout = json.loads((path / "rollout_state.json").read_text())
@@ -2002,18 +1923,9 @@ PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass
 
 def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
                        llm: dict[str, Any], label: str = "group") -> list[dict[str, Any]]:
-    """--eval-k rollouts of every task (under every harness), through the session code training uses.
-
-    A rollout is solved when the verifier's reward (after --reward-key) is > 0, as OpenEnv's `result.solved` reads
-    it: partial credit counts, and mean_reward says how much. Unscorable rollouts are errors, left out of the pass
-    rate as they are left out of a GRPO baseline. Returns one row per (task, harness) that finished; Ctrl-C or a run
-    of failures keeps what finished.
-    """
-    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-
-    from openenv.core.harness.capture.upstream import training_sampling
-    from tqdm import tqdm
-
+    """--eval-k rollouts of every task (under every harness), through the session code training uses. Solved: the
+    verifier's reward (after --reward-key) is > 0, as OpenEnv's `result.solved` reads it (partial credit counts;
+    mean_reward says how much). Unscorable rollouts are errors, left out of the pass rate as out of a GRPO baseline."""
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     factory = HarborSessionFactory(
         **session_settings(args), sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
@@ -2026,8 +1938,7 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
     solved = scored = done = 0
 
     def run(unit: int) -> tuple[int, HarborSession]:
-        session = HarborSession(factory, units[unit]["prompt"], unit)
-        factory.live_sessions.add(session)
+        session = factory.create(units[unit]["prompt"], unit)
         try:
             session.wait_for_completion()
             if not session._client.closed:
@@ -2037,31 +1948,24 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
             session.close()
 
     stop_reason = None
-    pool = ThreadPoolExecutor(max_workers=args.max_inflight, thread_name_prefix="harbor-eval")
-    pending = set()
-    jobs = iter([unit for unit in range(len(units)) for _ in range(args.eval_k)])
+    pool = ThreadPoolExecutor(max_workers=args.max_inflight, thread_name_prefix="harbor-eval")  # --max-inflight at once
     try:
-        for job in itertools.islice(jobs, args.max_inflight):
-            pending.add(pool.submit(run, job))
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                try:
-                    unit, session = future.result()
-                except ValueError as exc:  # record_outcome: --max-consecutive-failures reached
-                    stop_reason = str(exc)
-                    raise KeyboardInterrupt from None
-                outcomes[unit].append(session)
-                scored += session.failure is None
-                solved += session.failure is None and bool(session.result.solved)
-                done += len(outcomes[unit]) == args.eval_k
-                progress.set_postfix_str(f"tasks {done}/{len(units)}, solved "
-                                         f"{f'{solved / scored:.0%}' if scored else '-'}", refresh=False)
-                progress.update(1)
-                if (job := next(jobs, None)) is not None:
-                    pending.add(pool.submit(run, job))
+        for future in as_completed([pool.submit(run, unit) for unit in range(len(units)) for _ in range(args.eval_k)]):
+            try:
+                unit, session = future.result()
+            except ValueError as exc:  # record_outcome: --max-consecutive-failures reached
+                stop_reason = str(exc)
+                raise KeyboardInterrupt from None
+            outcomes[unit].append(session)
+            scored += session.failure is None
+            solved += session.failure is None and bool(session.result.solved)
+            done += len(outcomes[unit]) == args.eval_k
+            progress.set_postfix_str(f"tasks {done}/{len(units)}, solved "
+                                     f"{f'{solved / scored:.0%}' if scored else '-'}", refresh=False)
+            progress.update(1)
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: release the server's slots, keep what finished
         stop_reason = stop_reason or "interrupted"
+        pool.shutdown(wait=False, cancel_futures=True)  # before the sessions close: no queued rollout starts after
         for session in list(factory.live_sessions):
             session.close()
     finally:
@@ -2091,8 +1995,6 @@ def pass_rate_row(prompt: dict[str, Any], sandbox: str, sessions: list[HarborSes
 
 def write_pass_rates(path: Path, rows: list[dict[str, Any]], columns: list[str] = PASS_RATE_COLUMNS,
                      append: bool = False) -> None:
-    import csv
-
     new = not (append and path.is_file())
     with open(path, "w" if new else "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
@@ -2105,8 +2007,7 @@ EVAL_COLUMNS = ["step", "task", "index", "harness", "k", "solved", "pass_rate", 
 
 
 def held_out_eval(args: argparse.Namespace, plan: dict[str, Any], step: int) -> dict[str, float]:
-    """--eval-tasks: measure_pass_rates over the held-out tasks, on the weights of optimizer step `step` (0: before
-    training), appended to <output dir>/eval.csv; returns the eval/* figures to log."""
+    """--eval-tasks on the weights of optimizer step `step` (0: before training): eval.csv rows, eval/* metrics."""
     rows = measure_pass_rates(args, plan["split"], plan["eval_tasks"], plan["llm"], label="held-out eval")
     write_pass_rates(Path(args.output_dir) / "eval.csv", [{"step": step, **r} for r in rows], EVAL_COLUMNS,
                      append=True)
@@ -2123,8 +2024,6 @@ def held_out_eval(args: argparse.Namespace, plan: dict[str, Any], step: int) -> 
 
 
 def read_pass_rates(path: str) -> list[dict[str, Any]]:
-    import csv
-
     try:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
@@ -2508,35 +2407,9 @@ def resume_command(argv: list[str], output_dir: str) -> str:
     return redact(shlex.join(["uv", "run", Path(sys.argv[0]).name, *kept, "--resume", "auto"]))
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(data))
-    os.replace(partial, path)
-
-
-def publish_checkpoint(staged: Path, final: Path, keep: int | None = None) -> None:
-    """Put a completely written checkpoint in place with one rename, so checkpoint-N is never half-written; then keep
-    the newest `keep` checkpoints.
-
-    transformers rotates checkpoints inside the dir it saved into, the staging dir, which holds only this one: so it
-    never deletes anything there, and the rotation runs here, after the rename, over the run dir.
-    """
-    from transformers.trainer_utils import rotate_checkpoints
-
-    replaced = final.with_name(f".replaced-{final.name}")
-    if final.exists():  # an unusable checkpoint of this step, from before a fallback to an older one
-        shutil.rmtree(replaced, ignore_errors=True)
-        final.rename(replaced)
-    staged.rename(final)
-    shutil.rmtree(replaced, ignore_errors=True)
-    rotate_checkpoints(str(final.parent), save_total_limit=keep, use_mtime=True)
-
-
 def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
     """Checkpoint the last finished optimizer step, unless a checkpoint already holds it, and ask for a requeue.
     Every rank calls it: a save is a collective (each rank writes its RNG state, FSDP gathers or writes shards)."""
-    from accelerate.utils import broadcast_object_list
-
     step = trainer.state.global_step
     checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
     # Rank 0 decides for all: ranks that judged the files apart could split into a save and no save.
@@ -2615,20 +2488,11 @@ def stop_batch_on_preempt(batches, num_processes: int):
     try:
         yield from batches
     except Preempted:
-        import torch
-
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
                   plan: dict[str, Any] | None = None):
-    import torch
-    from datasets import Dataset
-    from accelerate.utils import is_peft_model
-    from transformers import AutoTokenizer, Trainer, TrainerCallback
-    from trl.experimental.async_grpo import AsyncGRPOTrainer
-    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
-
     class HarborRolloutWorker(HarnessRolloutWorker):
         _loop_cls = HarborRolloutLoop
         stop = stop_rollout_worker
@@ -2821,8 +2685,16 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             state_file = staging / name / "rollout_state.json"
             state = json.loads(state_file.read_text())
             state["pending"], state["prompt_index"] = self.resume_position()
-            write_json_atomic(state_file, state)
-            publish_checkpoint(staging / name, run_dir / name, keep=self.args.save_total_limit)
+            state_file.write_text(json.dumps(state))  # in the staging dir: published whole by the rename below
+            # One rename puts the whole checkpoint in place. transformers rotated checkpoints in the dir it saved into,
+            # the staging dir, which holds only this one: the rotation runs here, after the rename, over the run dir.
+            final, replaced = run_dir / name, run_dir / f".replaced-{name}"
+            if final.exists():  # an unusable checkpoint of this step, from before a fallback to an older one
+                shutil.rmtree(replaced, ignore_errors=True)
+                final.rename(replaced)
+            (staging / name).rename(final)
+            shutil.rmtree(replaced, ignore_errors=True)
+            rotate_checkpoints(str(run_dir), save_total_limit=self.args.save_total_limit, use_mtime=True)
             staging.rmdir()
 
     config = args.config
@@ -2855,7 +2727,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
 
 # --- Main -------------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    for signum in STOP_SIGNALS:
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # what SLURM, scancel and `kill` send to stop a run
         signal.signal(signum, STOP.handle)
     try:
         args = parse_args(argv)
@@ -2866,7 +2738,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     rank = launch_rank()
-    share = join_ranks(args.ddp_timeout) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    # Under `accelerate launch` / torchrun rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on
+    # the main process only); the others take its plan and run name, so N processes start one server and write one
+    # run. The process group exists already (HarborGRPOConfig, with this timeout); this adds one for Python objects.
+    group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
+             if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
     try:
         code, plan = None, {}
@@ -2880,9 +2756,10 @@ def main(argv: list[str] | None = None) -> int:
             elif args.check:
                 print(f"preflight: no failures ({sum(r[1] == WARN for r in pf.rows)} warnings)", flush=True)
                 code = 0
-        if share is not None:
-            code, plan, args.run_name, args.output_dir, args.harbor_url = share(
-                (code, plan, args.run_name, args.output_dir, args.harbor_url))
+        if group is not None:
+            shared = [(code, plan, args.run_name, args.output_dir, args.harbor_url)]
+            dist.broadcast_object_list(shared, src=0, group=group)
+            code, plan, args.run_name, args.output_dir, args.harbor_url = shared[0]
             args.config.run_name, args.config.output_dir = args.run_name, args.output_dir
         if code is None:
             return run_measure(args, plan) if args.measure else train(args, plan, server)
@@ -2892,11 +2769,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    if share is not None:
+    if group is not None:
         # A group left to the interpreter's exit can abort a rank that ends here (seen after --check: SIGABRT,
         # "terminate called without an active exception").
-        import torch.distributed as dist
-
         dist.destroy_process_group()
     return code
 
@@ -2906,28 +2781,8 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def join_ranks(timeout_s: int):
-    """Under `accelerate launch` / torchrun: rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on
-    the main process only); the others take its plan and run name, so N processes start one server and write one run.
-    The process group exists already (HarborGRPOConfig, with this timeout); this adds one for Python objects.
-    """
-    import torch.distributed as dist
-
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-    def share(payload):
-        box = [payload]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-
-    return share
-
-
 def process_group_timeout() -> str:
     """The timeout of the process group training runs on, as torch holds it (what the NCCL watchdog enforces)."""
-    import torch
-    import torch.distributed as dist
-
     try:
         group = dist.distributed_c10d._get_default_group()
         backend = group._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))

@@ -79,7 +79,7 @@ def preempted_and_relaunched(rig, tmp_path_factory):
     saved = {p.name: (json.loads((p / "rollout_state.json").read_text()), log_history(out, int(p.name[11:])))
              for p in out.glob("checkpoint-*")}
     # What a save killed midway leaves: the next step's checkpoint, weights cut short, in its staging dir. It never
-    # becomes a checkpoint-3 (publish_checkpoint renames only a whole one), so no resume can pick it.
+    # becomes a checkpoint-3 (_save_checkpoint renames only a whole one), so no resume can pick it.
     partial = out / ".staging-checkpoint-3" / "checkpoint-3"
     shutil.copytree(out / "checkpoint-2", partial)
     weights = partial / "model.safetensors"
