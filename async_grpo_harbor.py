@@ -2469,21 +2469,6 @@ class VisitOrder:
         return pending, self.start + max(0, seen - len(self.pending))
 
 
-class CollatedGroups(set):
-    """TRL's set of collated group ids (its collator adds each micro-batch's groups with one `update`), which also
-    keeps those micro-batches in order: the trainer consumes them in that order, so it can tell the ones an optimizer
-    step trained from the one accelerate collated ahead and the ones of a step a stop dropped."""
-
-    def __init__(self):
-        super().__init__()
-        self.batches: list[set[int]] = []
-
-    def update(self, groups) -> None:
-        groups = set(groups)
-        self.batches.append(groups)
-        super().update(groups)
-
-
 def stop_batch_on_preempt(batches, num_processes: int):
     try:
         yield from batches
@@ -2520,8 +2505,6 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
 
         def on_step_end(self, _args, _state, control, **_kwargs):
             trainer = self.trainer
-            trainer.trained_groups |= trainer.step_groups
-            trainer.step_groups = set()
             # A signal may reach some ranks only, or at other times: they agree here, as TRL's epoch stop does.
             asked = torch.tensor(int(STOP.signal_name is not None), device=trainer.accelerator.device)
             if int(trainer.accelerator.reduce(asked, reduction="sum").item()):
@@ -2573,9 +2556,6 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             super().__init__(*a, **kw)
             if self.rollout_worker is not None:  # TRL's eos ids (tokenizer's + model's); it sets them only on its own
                 self.rollout_worker._loop_kwargs["eos_token_ids"] = self.eos_token_ids
-            self._trained_groups = CollatedGroups()
-            self.step_groups: set[int] = set()  # groups of the micro-batches of the step under way
-            self.trained_groups: set[int] = set()  # groups with samples in a finished optimizer step
             self.stop_agreed = False
 
         def get_train_dataloader(self):
@@ -2598,8 +2578,6 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             return batches, count
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            if self.accelerator.is_main_process:
-                self.step_groups |= self._trained_groups.batches.pop(0)
             loss = super().training_step(model, inputs, num_items_in_batch)
             if self.accelerator.is_main_process:
                 accounting.take_microbatch()
@@ -2608,9 +2586,10 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         def resume_position(self) -> tuple[list[int], int]:
             """Untrained visits and the next visit, for rollout_state.json: every group the trainer took but no
             optimizer step trained runs again (collated ahead, in a dropped step, stale), none that one trained does.
-            A group that yielded no sample at all (every rollout failed) is done: rerunning it would fail again."""
-            seen = max(self._trained_groups, default=-1) + 1
-            return self.rollout_worker.order.after(seen, self.trained_groups | accounting.unscorable_groups())
+            A group that yielded no sample at all (every rollout failed) is done: rerunning it would fail again. The
+            step's log (every step) has counted its groups as trained before a save reads them."""
+            seen = max(self._trained_groups, default=-1) + 1  # TRL's set of the groups it collated
+            return self.rollout_worker.order.after(seen, accounting.trained_groups | accounting.unscorable_groups())
 
         def _inner_training_loop(self, *a, **kw):
             checkpoint = kw.get("resume_from_checkpoint")
