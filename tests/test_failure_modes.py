@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (POLICY, SCRIPT, assert_all_slots_free, log_history, post_json, rollouts, run_script, script_env,
-                      train_args)
+from conftest import (GENERATIONS, POLICY, SCRIPT, assert_all_slots_free, log_history, post_json, rollouts, run_script,
+                      script_env, train_args)
 
 
 def test_all_failing_rollouts_stop_training_with_the_reason(rig, tmp_path):
@@ -230,11 +230,14 @@ def test_an_agent_that_times_out_or_exits_is_scored_by_its_verifier(rig, tmp_pat
     # turn is scored, and the rollout trains like any other (a policy that loops must not leave the GRPO baseline).
     # The engine answers, then hangs (coin) or kills its own agent (coin2). --max-consecutive-failures 1: not one of
     # these rollouts may count as a failure.
+    # Two groups in flight and coin2 first: the quick coin2 groups run beside one hanging coin group, so the step
+    # waits out one agent timeout, not two in a row. The agent writes its answer within ~10 s of starting.
     out = tmp_path / "out"
     post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "agent_end": {"coin": "hang", "coin2": "exit"}})
     try:
-        proc = run_script(train_args(rig, out, "--tasks", "coin,coin2", "--max-steps", "1", "--agent-timeout", "40",
-                                     "--max-consecutive-failures", "1"), cwd=tmp_path, timeout=900)
+        proc = run_script(train_args(rig, out, "--tasks", "coin2,coin", "--max-steps", "1", "--agent-timeout", "30",
+                                     "--max-inflight", str(2 * GENERATIONS), "--max-consecutive-failures", "1"),
+                          cwd=tmp_path, timeout=900)
     finally:
         post_json(f"{rig.engine_url}/stand_in/policy", POLICY)
     assert proc.returncode == 0, proc.stderr[-3000:]

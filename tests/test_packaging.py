@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import os
 import re
@@ -66,8 +67,14 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+@functools.cache
+def script_help() -> subprocess.CompletedProcess:
+    """`async_grpo_harbor.py --help`, run once for the tests that read it."""
+    return subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=300)
+
+
 def test_help_documents_every_flag():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
+    proc = script_help()
     assert proc.returncode == 0
     flags = set(re.findall(r"(?:^  |, )(--[\w-]+)", proc.stdout, re.M))
     for flag in ("--model", "--vllm-url", "--harbor-url", "--dataset", "--split", "--tasks", "--harness",
@@ -98,7 +105,8 @@ def vllm_serve(command: str) -> tuple[set[str], list[str]]:
 
 
 def help_default(flag: str) -> str:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=300)
+    proc = script_help()
+    assert proc.returncode == 0, proc.stderr[-3000:]
     # TrlParser lists each flag as `--name_with_underscores X, --name-with-dashes X`
     entry = next(e for e in re.split(r"\n(?=  -)", proc.stdout) if re.match(rf"  (\S+ \S+, )?{flag}\b", e))
     return re.search(r"\(default: ([^)]*)\)", " ".join(entry.split()))[1]

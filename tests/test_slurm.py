@@ -90,7 +90,8 @@ class Job:
         raise AssertionError(f"{prog} never reported {event!r}; job output:\n{self.output()}")
 
     def entries(self, prog: str) -> list[dict]:
-        lines = self.log.read_text().splitlines()
+        # Complete lines only: a stand-in may be writing its entry right now.
+        lines = self.log.read_text().split("\n")[:-1]
         return [e for e in map(json.loads, lines) if e["prog"] == prog]
 
     def started(self, prog: str) -> list[dict]:
