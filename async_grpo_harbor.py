@@ -2172,8 +2172,10 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
             self._counters["harbor/not_trained/no_scorable_groups_total"] += 1
             return samples  # none scorable, so no samples: --max-consecutive-failures watches these
         zero = zero_variance(rewards)
-        keys = ["harbor/zero_variance_frac", f"harbor/{group.prompts[0][0]['harbor_harness']}/zero_variance_frac"]
-        for key in keys[:1 + self._factory.split_by_harness]:
+        keys = ["harbor/zero_variance_frac"]
+        if self._factory.split_by_harness:
+            keys.append(f"harbor/{group.prompts[0][0]['harbor_harness']}/zero_variance_frac")
+        for key in keys:
             self._rates[key][0] += zero
             self._rates[key][1] += 1
         self._counters["harbor/zero_variance_groups_total"] += zero

@@ -5,6 +5,8 @@ the rewards and hands them to TRL's `_score_group`, and reads the advantages off
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -27,11 +29,15 @@ def accelerate_state():
 
 
 def scoring_loop(max_zero_variance_groups: int = 100):
-    """The script's loop class with the state its scoring reads; the rest of its __init__ (engine session, dataset,
-    queues, thread pools) is not on the scoring path."""
+    """The script's loop class with the state its scoring reads (TRL's counters and rates it counts the group into,
+    and the factory that prints a zero-variance group); the rest of its __init__ (engine session, dataset, queues,
+    thread pools) is not on the scoring path."""
     loop = object.__new__(agh.HarborRolloutLoop)
     loop.reward_funcs, loop._env_reward_types, loop.reward_func_names = [], [], ["harness_reward"]
     loop.efficiency_weight, loop.max_zero_variance_groups, loop.flat_run = W, max_zero_variance_groups, []
+    loop._stop_event, loop.passes = threading.Event(), agh.PassRate(1)
+    loop._counters, loop._rates = defaultdict(float), defaultdict(lambda: [0.0, 0.0])
+    loop._factory = SimpleNamespace(split_by_harness=False, _say=print)
     return loop
 
 
