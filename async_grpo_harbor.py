@@ -1623,6 +1623,9 @@ PUSH_STAGING = 2**30
 # What torch's caching allocator does not count on the trainer's GPU (kernels' code, library handles, NCCL's buffers):
 # a cap on the allocator has to leave it free.
 OUTSIDE_ALLOCATOR = 2**29
+# vLLM's own buffers beyond weights and KV cache (activations, CUDA graphs, sampler): Qwen3-4B at 0.35 of an H200 held
+# 7.5 GiB of weights and 40.5 GiB of KV cache of its 49.1 GiB.
+VLLM_BUFFERS = int(1.1 * 2**30)
 # Past the measured error, so a projection this close to the limit warns instead of passing.
 MEMORY_TOLERANCE = 0.05
 # The tokens a rollout starts with (system prompt + task) when a row is planned as prompt + turns x tokens per turn
@@ -1754,6 +1757,15 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
     return facts
 
 
+def vllm_floor(args: argparse.Namespace, shape: TrainerShape, tokens: int) -> int:
+    """Bytes a vLLM serving --model needs at the least: bfloat16 weights, the KV cache of one `tokens`-long sequence and
+    VLLM_BUFFERS."""
+    text = AutoConfig.from_pretrained(args.model).get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_per_token = 2 * shape.layers * getattr(text, "num_key_value_heads", text.num_attention_heads) * head_dim * 2
+    return 2 * shape.params + tokens * kv_per_token + VLLM_BUFFERS
+
+
 def memory_fixes(args: argparse.Namespace, shape: TrainerShape, need: int, limit: int, total: int, row: int,
                  ranks: int, fsdp: bool, utilisation: float | None) -> str:
     """The concrete ways to bring the projection under `limit` with MEMORY_TOLERANCE to spare, each with its
@@ -1769,9 +1781,11 @@ def memory_fixes(args: argparse.Namespace, shape: TrainerShape, need: int, limit
                      f"turns still fits (the longest row with {MEMORY_TOLERANCE:.0%} to spare: {fits:,} tokens)")
     if utilisation:
         lower = math.floor((utilisation - (need * (1 + MEMORY_TOLERANCE) - limit) / total) * 100) / 100
-        if lower > 0:
-            fixes.append(f"restart vLLM with --gpu-memory-utilization {lower:.2f} (now {utilisation:g}), if its "
-                         "weights and the KV cache of one --max-model-len sequence fit in that")
+        least = vllm_floor(args, shape, row)
+        if lower * total >= least:
+            fixes.append(f"restart vLLM with --gpu-memory-utilization {lower:.2f} (now {utilisation:g}; it needs "
+                         f"{least / total:.2f} at the least: {gib(least)} for its weights, one {row:,}-token "
+                         "sequence's KV cache and its buffers)")
     if not args.use_peft:
         lora = trainer_shape(argparse.Namespace(**{**vars(args), "use_peft": True, "dtype": "bfloat16"}))
         peak = lora and sum(trainer_peak(lora, row, ranks, fsdp).values())
