@@ -195,3 +195,39 @@ def test_until_vllm_answers_the_static_part_alone_is_judged(script, qwen3, monke
     assert status == "SKIP" and "the static part alone" in detail and "once vLLM answers" in detail, detail
     status, detail, fix, _ = memory_row(script, model, None, (None, None), 40, 80, monkeypatch)
     assert status == "FAIL" and "--use-peft" in fix, (detail, fix)
+
+
+# The README's table, cell by cell: what the row says for those flags on that card beside vLLM.
+TRAINING = {"full, float32": ([], "float32"), "LoRA r16, PEFT's default modules (q_proj v_proj)": (["--use-peft"],
+            "r16-default"), "LoRA r16, all-linear": (["--use-peft", "--lora-target-modules", "all-linear"],
+                                                     "r16-all-linear")}
+CARDS_MIB = {"H200": 143771, "H100 80GB": 81559}  # nvidia-smi's total memory
+CUDA_CONTEXT_GIB = 0.5  # the trainer's own, taken before the row reads free memory
+
+
+def test_the_readme_table_of_what_fits_one_card_is_what_the_row_says(script, qwen3, monkeypatch):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### What fits on one card", 1)[1]
+    grid = section[section.index("\n| model |"):].split("\n\n", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in grid.splitlines()
+            if line.startswith("| Qwen3-")]
+    assert len(rows) >= 8, section
+    statuses = set()
+    for model, training, tokens, card, may_use, projected, status, measured, tok_s, steps_h in rows:
+        flags, what = TRAINING[training]
+        name, share = card.rsplit(", ", 1)
+        total = CARDS_MIB[name] / 1024
+        row, utilisation = int(tokens.replace(",", "")), float(share)
+        shape = model.removeprefix("Qwen3-").lower()
+        got, detail, _, _ = memory_row(script, ["--model", str(qwen3[shape]), *flags], row, ("ipc", utilisation),
+                                       (1 - utilisation) * total - CUDA_CONTEXT_GIB, total, monkeypatch)
+        parts = script.trainer_peak(script.trainer_shape(script.parse_args(["--model", str(qwen3[shape]), *flags])),
+                                    row)
+        peak, push = sum(parts.values()) / GIB, parts["push staging"] / GIB
+        cells = f"{peak:.1f} ({peak - push:.1f} + {push:.1f} push)"
+        assert (projected, status) == (cells, got), (model, training, tokens, card, detail)
+        assert f"{may_use} GiB the trainer may use" in detail, (model, training, tokens, card, detail)
+        assert measured == ("not measured" if measured == "not measured" else f"{recorded(shape, what, row)}"), \
+            (model, training, tokens, measured)
+        statuses.add(got)
+    assert statuses == {"PASS", "WARN", "FAIL"}, "the table shows each verdict"
