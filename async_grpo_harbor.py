@@ -1720,7 +1720,7 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
     """
     check = "trainer memory"
     if shape is None:
-        pf.add(check, SKIP, f"not projected: {model_shape_error(args) or '--dtype auto: the checkpoint dtype is unknown'}")
+        pf.add(check, SKIP, f"not projected: {model_shape_error(args) or '--dtype auto: its dtype is unknown'}")
         return {}
     row = longest_row(args, served and served.get("max_model_len"))
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1757,7 +1757,7 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
         return {}
     facts, cap = {}, ""
     if shared:
-        facts["gpu_memory_fraction"] = fraction = (limit + torch.cuda.memory_reserved(0)) / total
+        facts["gpu_memory_fraction"] = fraction = min(1.0, (limit + torch.cuda.memory_reserved(0)) / total)
         cap = (f"; the trainer is capped there at train start (torch.cuda.set_per_process_memory_fraction "
                f"{fraction:.3f}), so it never grows into vLLM's share")
     if need * (1 + MEMORY_TOLERANCE) > limit:

@@ -122,9 +122,10 @@ def test_a_trainer_too_large_for_its_gpu_is_refused_before_any_rollout_with_the_
     refused_with(proc, "trainer memory", "error: projected peak", "serve vLLM with --max-model-len",
                  "--agent-step-limit 30")
     status, detail = table(proc.stdout)["trainer memory"]
-    assert re.match(r"projected peak 0\.\d GiB for a 65,536-token row .*> \d+\.\d MiB the trainer may use on cuda:0 "
-                    r"\(0\.6 GiB free of 80\.0 GiB; 0\.5 GiB left for what torch's allocator does not count\): training "
-                    r"would run out of GPU memory at its first step, after a group of paid rollouts$", detail), detail
+    assert re.match(r"projected peak 0\.\d GiB for a 65,536-token row .*> \d+\.\d MiB the trainer may use on "
+                    r"cuda:0 \(0\.6 GiB free of 80\.0 GiB; 0\.5 GiB left for what torch's allocator does not count\): "
+                    r"training would run out of GPU memory at its first step, after a group of paid rollouts$",
+                    detail), detail
     tokens = int(re.search(r"serve vLLM with --max-model-len (\d+) \(TRL's token budget\) and pass --agent-step-limit "
                            r"30, so a rollout of 256-token turns still fits", proc.stderr)[1])
     assert tokens % 1024 == 0 and 1500 + 256 <= tokens < 65536, tokens
