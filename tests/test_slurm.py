@@ -178,7 +178,7 @@ def test_a_one_gpu_job_shares_the_card_with_vllm_over_cuda_ipc(tmp_path):
     assert after(argv, "--weight-transfer-config") == '{"backend":"ipc"}'
     # The IPC backend unpickles what it is sent: loopback only, and the variable that lets it unpickle at all.
     assert after(argv, "--host") == "127.0.0.1" and env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
-    assert after(argv, "--gpu-memory-utilization") == "0.35"
+    assert after(argv, "--gpu-memory-utilization") == "0.30"
     assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["VLLM_SERVER_DEV_MODE"] == "1"
     [trainer] = job.started("python")
     assert trainer["env"]["CUDA_VISIBLE_DEVICES"] == "3"
@@ -191,7 +191,7 @@ def test_a_vllm_share_the_user_gives_wins_over_the_default():
     assert proc.returncode == 0, proc.stderr
     words = next(line for line in proc.stdout.splitlines() if "vllm serve" in line).split()
     shares = [value for flag, value in zip(words, words[1:]) if flag == "--gpu-memory-utilization"]
-    assert shares == ["0.35", "0.5"]  # vLLM's parser keeps the last
+    assert shares == ["0.30", "0.5"]  # vLLM's parser keeps the last
 
 
 @pytest.mark.parametrize("resume", [["--resume"], ["--resume", "runs/x/checkpoint-50"], ["--resume=latest"]])
