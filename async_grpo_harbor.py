@@ -579,20 +579,29 @@ class Failure(NamedTuple):
 SERVER_GONE = "server_unreachable"
 
 
+# How an agent may end and still be trained at the reward Harbor's verifier gave it (Harbor verifies after any
+# AgentTimeoutError or NonZeroAgentExitCodeError, subclasses included: harbor/trial/single_step.py): the ends the
+# policy brings about itself. It looped until --agent-timeout, or it talked past the context or the output cap, as a
+# completion truncated at --max-completion-length is trained. Every other exception Harbor verified after is the
+# harness or the inference path failing, not the policy: NonZeroAgentExitCodeError's subclasses (ApiError and its
+# kin, NetworkConnectionError, AgentAuthenticationError, ModelNotFoundError, ...), which Harbor picks from the agent's
+# output, and a plain NonZeroAgentExitCodeError, which is how mini-swe-agent (litellm) reaches Harbor when vLLM
+# answers 5xx, drops the connection or is gone (Harbor's patterns do not know litellm's messages; seen on the rig).
+POLICY_EXITS = {"AgentTimeoutError": "timeout", "ContextWindowExceededError": "context_window",
+                "OutputTokenExceededError": "output_tokens"}
+
+
 def agent_exit(r: HarborRolloutResult) -> str | None:
-    """How the agent ended, for a rollout the verifier scored: "ok", or the kind of the agent's failure ("timeout",
-    "nonzero_exit", or a subclass's name such as "api_error"). Harbor records an agent timeout or non-zero exit as the
-    trial's exception and runs the verifier anyway (harbor/trial/single_step.py); OpenEnv then reports ok=False with
-    the exception's type and the reward. Any other exception leaves no reward (the trial stopped before verifying)."""
+    """How the agent ended, for a rollout the verifier scored: "ok", or the POLICY_EXITS kind of its end. None: the
+    rollout is unscorable (an exception without a reward, or one that is not the policy's: `judge_rollout`)."""
     if r.reward is None or not r.exception_type:
         return "ok" if r.ok else None
-    kind = {"AgentTimeoutError": "timeout", "NonZeroAgentExitCodeError": "nonzero_exit"}.get(r.exception_type)
-    return kind or re.sub(r"(?<!^)(?=[A-Z])", "_", r.exception_type).lower()
+    return POLICY_EXITS.get(r.exception_type)
 
 
 def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, reward_key: str) -> Failure | None:
     """Why a finished `run_rollout` cannot be trained on (None: it can). Training, --eval-only and the probe judge
-    every result here. A rollout whose agent timed out or exited non-zero is scored like any other when the verifier
+    every result here. A rollout whose agent ended in one of POLICY_EXITS is scored like any other when the verifier
     scored it and its capture is valid: a policy that loops until --agent-timeout earns its reward, not a pass."""
     if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
         return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
@@ -610,6 +619,9 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
             return Failure("context", f"vLLM refused the agent's first call as too long for its context "
                                       f"({budget[:240]}): the Harbor server's --max-output-tokens (this script's "
                                       "--max-completion-length) plus the task's prompt must fit vLLM's --max-model-len")
+        if r.reward is not None and r.exception_type:
+            return Failure(r.exception_type, f"{r.exception_type}: the agent's harness or its engine failed, so the "
+                                             f"verifier's reward {r.reward:g} is not the policy's: {r.error}")
         return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}")
     if r.rollout_type != "train" and require_tokens:
         return Failure("eval_tier", "the engine returned no token ids / processed logprobs (eval tier): restart vLLM "

@@ -38,10 +38,13 @@ Policy (`--policy`, JSON; every key optional):
      "score_temperature_offset": 0.3,  # logprobs scored at T + 0.3: an engine that reports another policy than
                                        # the one it sampled from
      "hold_from_weight_version": 3,  # from the 3rd weight load on, chat requests wait until a policy without
-                                     # this key is set: rollouts stall, so the trainer waits for them
+                                     # this key is set: rollouts stall, so the trainer waits for them (`held` in
+                                     # /stand_in/stats counts the requests waiting)
      "agent_end": {"coin": "hang", "coin2": "exit"},  # after turn 0, instead of submitting: "hang" runs `sleep`
                                      # until Harbor's agent timeout, "exit" kills the agent (a non-zero agent exit);
-                                     # Harbor's verifier still scores the answer turn 0 wrote
+                                     # Harbor's verifier still scores the answer turn 0 wrote; "die" is the
+                                     # engine's own failure: it answers turn 1 with vLLM's 500 of a dead engine
+                                     # core and exits, as vLLM's server does (later calls find no server)
      "choices": {"choose": ["cat", "dog", "fox", "tag"]},  # the MODEL decides these tasks' answers (below)
      "seed": 0}                                             # of the engine's sampling of those choices
 
@@ -70,6 +73,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import shlex
@@ -95,6 +99,10 @@ class HTTPError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+
+
+class EngineDead(HTTPError):
+    """vLLM's EngineDeadError: answered as a 500, then its API server shuts down."""
 
 
 class Engine:
@@ -219,6 +227,8 @@ class Engine:
         task = match.group(1) if match else "unknown"
         if any(m.get("role") == "assistant" for m in messages):
             end = policy.get("agent_end", {}).get(task)
+            if end == "die":
+                raise EngineDead(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.")
             # mini-swe-agent runs each command in a shell it spawns: $PPID is the agent itself.
             command = {"hang": "sleep 3600", "exit": "kill -9 $PPID"}.get(end, SUBMIT)
             return end or "submit", [_tool_call_text(command)]
@@ -415,12 +425,13 @@ def _handler(engine: Engine, dev_mode: bool):
                 self._answer(None)
 
         def _answer(self, produce):
+            failure = None
             try:
                 if produce is None:
                     raise HTTPError(404, f"no route {self.command} {self.path}")
                 status, payload = 200, produce()
             except HTTPError as exc:
-                status, payload = exc.status, _error(exc.status, str(exc))
+                failure, status, payload = exc, exc.status, _error(exc.status, str(exc))
             except Exception as exc:  # noqa: BLE001 - a bad request must not kill the engine under test
                 status, payload = 400, _error(400, f"{type(exc).__name__}: {exc}")
             data = json.dumps(payload).encode()
@@ -429,6 +440,9 @@ def _handler(engine: Engine, dev_mode: bool):
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+            if isinstance(failure, EngineDead):
+                self.wfile.flush()
+                os._exit(1)
 
         def log_message(self, *args):  # per-request lines would drown test output; /stand_in/stats has the record
             pass
