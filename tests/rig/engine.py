@@ -125,6 +125,7 @@ class Engine:
         self.running.set()
         self.weight_version = 0
         self.n_requests = 0
+        self.held = 0  # requests waiting for a policy without `hold_from_weight_version`
         self.rollouts_by_task: dict[str, int] = {}
         self.rng = random.Random(policy.get("seed", 0))  # samples the model's own choices (`choices`)
         self.requests: list[dict] = []
@@ -138,8 +139,13 @@ class Engine:
             raise HTTPError(400, "stand-in engine does not stream (the capture proxy always sends stream=false)")
         if body.get("n", 1) != 1:
             raise HTTPError(400, "stand-in engine supports n=1 only")
-        while self.weight_version >= self.policy.get("hold_from_weight_version", math.inf):
-            time.sleep(0.2)
+        if self.weight_version >= self.policy.get("hold_from_weight_version", math.inf):
+            with self.state_lock:
+                self.held += 1
+            while self.weight_version >= self.policy.get("hold_from_weight_version", math.inf):
+                time.sleep(0.2)
+            with self.state_lock:
+                self.held -= 1
         with self.state_lock:
             index = self.n_requests
             self.n_requests += 1
@@ -299,7 +305,7 @@ class Engine:
 
     def stats(self) -> dict:
         with self.state_lock:
-            return {"requests": self.n_requests, "weight_version": self.weight_version,
+            return {"requests": self.n_requests, "held": self.held, "weight_version": self.weight_version,
                     "paused": not self.running.is_set(), "control_calls": dict(self.control_calls),
                     "chat": list(self.requests)}
 
