@@ -454,9 +454,14 @@ def peft_config(args: argparse.Namespace):
     """The LoraConfig of --use-peft, by TRL's own ModelConfig -> get_peft_config; None without it."""
     if not args.use_peft:
         return None
-    return get_peft_config(ModelConfig(
+    config = get_peft_config(ModelConfig(
         model_name_or_path=args.model, use_peft=True, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, lora_target_modules=args.lora_target_modules, use_rslora=args.use_rslora))
+    if args.lora_target_modules and args.lora_target_modules != ["all-linear"]:
+        # ModelConfig turns a list of one name into a string, which PEFT matches as a regex against whole module paths
+        # (`q_proj` would match none); names in a list it matches by suffix.
+        config.target_modules = set(args.lora_target_modules)
+    return config
 
 
 def say(line: str) -> None:
@@ -1409,6 +1414,32 @@ def model_shape(model: str) -> tuple[int, str]:
     return params, str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
 
 
+def lora_model(args: argparse.Namespace):
+    """--use-peft's model on the meta device, from --model's config alone (no weights are read): the modules PEFT
+    resolves --lora-target-modules to (its default for the architecture, all-linear), as training will."""
+    from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
+
+    with torch.device("meta"), warnings.catch_warnings():
+        # PEFT's warning about an adapter on tied embeddings: check_trainer refuses them in one line instead.
+        warnings.filterwarnings("ignore", message="Model (has|with) `tie_word_embeddings=True`")
+        return get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
+                              peft_config(args))
+
+
+def tied_lora_targets(model: Any) -> list[str]:
+    """The modules of a PEFT model whose LoRA adapter sits on a weight the model ties to another: its input
+    embeddings and its output head share one tensor, and an adapter on one of them leaves the other at the base."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    pair = [m.get_base_layer() if isinstance(m, LoraLayer) else m
+            for m in (base.get_input_embeddings(), base.get_output_embeddings())]
+    if None in pair or pair[0].weight is not pair[1].weight:
+        return []
+    return [name for name, m in base.named_modules() if isinstance(m, LoraLayer)
+            and m.get_base_layer().weight is pair[0].weight]
+
+
 def model_shape_error(args: argparse.Namespace) -> str | None:
     try:
         model_shape(args.model)
@@ -1428,6 +1459,18 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
     """What only the trainer's own machine can tell, before any weights load."""
     facts: dict[str, Any] = {}
     dtype = trainer_dtype(args)
+    lora = None
+    if args.use_peft and model_shape_error(args) is None:
+        try:
+            lora = lora_model(args)
+        except ValueError as exc:  # PEFT's NoMatchingPeftModuleError
+            pf.add("LoRA targets", FAIL, f"--lora-target-modules: {exc}", "name modules of --model, or all-linear")
+    if lora is not None and (tied := tied_lora_targets(lora)):
+        pf.add("LoRA targets", FAIL, f"--lora-target-modules {' '.join(args.lora_target_modules or [])} puts an "
+               f"adapter on {', '.join(tied)}, whose weight {args.model} ties between its input embeddings and its "
+               "output head: the adapter would change one of the two only, and the merged push both",
+               "leave embed_tokens and lm_head out of --lora-target-modules (all-linear does), or train without "
+               "--use-peft")
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and dtype not in (None, "float32"):
         # accelerate's FSDP2 prepare upcasts trainable parameters to float32 after TRL has told vLLM their dtype,
         # so every push would send other bytes than vLLM expects (fsdp_utils: "Upcast to fp32 master weights").
@@ -1466,13 +1509,9 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
         kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
         free = shutil.disk_usage(args.output_dir).free
         written = f"{kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written"
-        if args.use_peft:
-            from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
-
+        if lora is not None:
             # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
-            with torch.device("meta"):  # no weights are read
-                base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
-                adapter = get_peft_model(base, peft_config(args)).get_nb_trainable_parameters()[0]
+            adapter = lora.get_nb_trainable_parameters()[0]
             facts["checkpoint_bytes"] = size = adapter * 4 * 3
             merged = params * width  # <output dir>/merged, written once at the end
             peak = (kept + 1) * size + merged
@@ -1913,11 +1952,17 @@ def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | Non
     if checkpoint is not None and args.use_peft and saved.is_file():
         config = json.loads(saved.read_text())
         flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
-        if args.lora_target_modules and args.lora_target_modules != ["all-linear"]:  # PEFT saves all-linear resolved
-            flags["target_modules"] = sorted(args.lora_target_modules)
-            config["target_modules"] = sorted(config.get("target_modules") or [])
         differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
                   if config.get(key) != value]
+        # PEFT saves the modules it resolved its target_modules to (its default for the architecture, all-linear): so
+        # are the flags' compared. Flags that match no module, or an unreadable --model: check_trainer says so.
+        if model_shape_error(args) is None:
+            with contextlib.suppress(ValueError):
+                ours = set(lora_model(args).peft_config["default"].target_modules)
+                theirs = set(config.get("target_modules") or [])
+                if ours != theirs:  # named by kind: all-linear resolves to every layer's modules by path
+                    saved_on, flags_on = (" ".join(sorted({n.split(".")[-1] for n in names})) for names in (theirs, ours))
+                    differ.append(f"target_modules {saved_on} (flags: {flags_on})")
         return (f"{checkpoint} holds an adapter of another shape: {', '.join(differ)}; resume with the run's "
                 "--lora-* flags") if differ else None
     if checkpoint is None or args.use_peft == saved.is_file():
