@@ -465,9 +465,14 @@ def peft_config(args: argparse.Namespace):
     """The LoraConfig of --use-peft, by TRL's own ModelConfig -> get_peft_config; None without it."""
     if not args.use_peft:
         return None
-    return get_peft_config(ModelConfig(
+    config = get_peft_config(ModelConfig(
         model_name_or_path=args.model, use_peft=True, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, lora_target_modules=args.lora_target_modules, use_rslora=args.use_rslora))
+    if args.lora_target_modules and args.lora_target_modules != ["all-linear"]:
+        # ModelConfig turns a list of one name into a string, which PEFT matches as a regex against whole module paths
+        # (`q_proj` would match none); names in a list it matches by suffix.
+        config.target_modules = set(args.lora_target_modules)
+    return config
 
 
 def say(line: str) -> None:
@@ -590,20 +595,29 @@ class Failure(NamedTuple):
 SERVER_GONE = "server_unreachable"
 
 
+# How an agent may end and still be trained at the reward Harbor's verifier gave it (Harbor verifies after any
+# AgentTimeoutError or NonZeroAgentExitCodeError, subclasses included: harbor/trial/single_step.py): the ends the
+# policy brings about itself. It looped until --agent-timeout, or it talked past the context or the output cap, as a
+# completion truncated at --max-completion-length is trained. Every other exception Harbor verified after is the
+# harness or the inference path failing, not the policy: NonZeroAgentExitCodeError's subclasses (ApiError and its
+# kin, NetworkConnectionError, AgentAuthenticationError, ModelNotFoundError, ...), which Harbor picks from the agent's
+# output, and a plain NonZeroAgentExitCodeError, which is how mini-swe-agent (litellm) reaches Harbor when vLLM
+# answers 5xx, drops the connection or is gone (Harbor's patterns do not know litellm's messages; seen on the rig).
+POLICY_EXITS = {"AgentTimeoutError": "timeout", "ContextWindowExceededError": "context_window",
+                "OutputTokenExceededError": "output_tokens"}
+
+
 def agent_exit(r: HarborRolloutResult) -> str | None:
-    """How the agent ended, for a rollout the verifier scored: "ok", or the kind of the agent's failure ("timeout",
-    "nonzero_exit", or a subclass's name such as "api_error"). Harbor records an agent timeout or non-zero exit as the
-    trial's exception and runs the verifier anyway (harbor/trial/single_step.py); OpenEnv then reports ok=False with
-    the exception's type and the reward. Any other exception leaves no reward (the trial stopped before verifying)."""
+    """How the agent ended, for a rollout the verifier scored: "ok", or the POLICY_EXITS kind of its end. None: the
+    rollout is unscorable (an exception without a reward, or one that is not the policy's: `judge_rollout`)."""
     if r.reward is None or not r.exception_type:
         return "ok" if r.ok else None
-    kind = {"AgentTimeoutError": "timeout", "NonZeroAgentExitCodeError": "nonzero_exit"}.get(r.exception_type)
-    return kind or re.sub(r"(?<!^)(?=[A-Z])", "_", r.exception_type).lower()
+    return POLICY_EXITS.get(r.exception_type)
 
 
 def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, reward_key: str) -> Failure | None:
     """Why a finished `run_rollout` cannot be trained on (None: it can). Training, --eval-only and the probe judge
-    every result here. A rollout whose agent timed out or exited non-zero is scored like any other when the verifier
+    every result here. A rollout whose agent ended in one of POLICY_EXITS is scored like any other when the verifier
     scored it and its capture is valid: a policy that loops until --agent-timeout earns its reward, not a pass."""
     if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
         return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
@@ -621,6 +635,9 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
             return Failure("context", f"vLLM refused the agent's first call as too long for its context "
                                       f"({budget[:240]}): the Harbor server's --max-output-tokens (this script's "
                                       "--max-completion-length) plus the task's prompt must fit vLLM's --max-model-len")
+        if r.reward is not None and r.exception_type:
+            return Failure(r.exception_type, f"{r.exception_type}: the agent's harness or its engine failed, so the "
+                                             f"verifier's reward {r.reward:g} is not the policy's: {r.error}")
         return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}")
     if r.rollout_type != "train" and require_tokens:
         return Failure("eval_tier", "the engine returned no token ids / processed logprobs (eval tier): restart vLLM "
@@ -1408,6 +1425,32 @@ def model_shape(model: str) -> tuple[int, str]:
     return params, str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
 
 
+def lora_model(args: argparse.Namespace):
+    """--use-peft's model on the meta device, from --model's config alone (no weights are read): the modules PEFT
+    resolves --lora-target-modules to (its default for the architecture, all-linear), as training will."""
+    from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
+
+    with torch.device("meta"), warnings.catch_warnings():
+        # PEFT's warning about an adapter on tied embeddings: check_trainer refuses them in one line instead.
+        warnings.filterwarnings("ignore", message="Model (has|with) `tie_word_embeddings=True`")
+        return get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
+                              peft_config(args))
+
+
+def tied_lora_targets(model: Any) -> list[str]:
+    """The modules of a PEFT model whose LoRA adapter sits on a weight the model ties to another: its input
+    embeddings and its output head share one tensor, and an adapter on one of them leaves the other at the base."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    pair = [m.get_base_layer() if isinstance(m, LoraLayer) else m
+            for m in (base.get_input_embeddings(), base.get_output_embeddings())]
+    if None in pair or pair[0].weight is not pair[1].weight:
+        return []
+    return [name for name, m in base.named_modules() if isinstance(m, LoraLayer)
+            and m.get_base_layer().weight is pair[0].weight]
+
+
 def model_shape_error(args: argparse.Namespace) -> str | None:
     try:
         model_shape(args.model)
@@ -1443,11 +1486,9 @@ def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
     text = config.get_text_config()
     adapter = adapted = 0
     if args.use_peft:
-        from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
         from peft.tuners.lora import LoraLayer
 
-        with torch.device("meta"):  # no weights are read
-            model = get_peft_model(AutoModelForCausalLM.from_config(config), peft_config(args))
+        model = lora_model(args)
         adapter = model.get_nb_trainable_parameters()[0]
         adapted = sum(m.in_features for m in model.modules() if isinstance(m, LoraLayer)) // text.num_hidden_layers
     return TrainerShape(model_shape(args.model)[0], torch.finfo(getattr(torch, dtype)).bits // 8, adapter, adapted,
@@ -1459,6 +1500,18 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
     """What only the trainer's own machine can tell, before any weights load."""
     facts: dict[str, Any] = {}
     dtype = trainer_dtype(args)
+    lora = None
+    if args.use_peft and model_shape_error(args) is None:
+        try:
+            lora = lora_model(args)
+        except ValueError as exc:  # PEFT's NoMatchingPeftModuleError
+            pf.add("LoRA targets", FAIL, f"--lora-target-modules: {exc}", "name modules of --model, or all-linear")
+    if lora is not None and (tied := tied_lora_targets(lora)):
+        pf.add("LoRA targets", FAIL, f"--lora-target-modules {' '.join(args.lora_target_modules or [])} puts an "
+               f"adapter on {', '.join(tied)}, whose weight {args.model} ties between its input embeddings and its "
+               "output head: the adapter would change one of the two only, and the merged push both",
+               "leave embed_tokens and lm_head out of --lora-target-modules (all-linear does), or train without "
+               "--use-peft")
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and dtype not in (None, "float32"):
         # accelerate's FSDP2 prepare upcasts trainable parameters to float32 after TRL has told vLLM their dtype,
         # so every push would send other bytes than vLLM expects (fsdp_utils: "Upcast to fp32 master weights").
@@ -1489,7 +1542,8 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
         else:
             pf.add("precision", PASS, f"{dtype} weights: AdamW steps of ~{args.learning_rate:g} exceed half the "
                    f"{dtype} spacing at |w| = {typical} ({half_step:.1e})")
-    facts["trainer_shape"] = shape = trainer_shape(args)
+    # A --lora-target-modules that PEFT cannot resolve has its row above and no shape to size.
+    facts["trainer_shape"] = shape = None if args.use_peft and lora is None else trainer_shape(args)
     if (problem := model_shape_error(args)) is not None:
         pf.add("checkpoints", SKIP, f"size unknown: {problem}")
     elif writable and shape is not None:
@@ -2124,11 +2178,17 @@ def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | Non
     if checkpoint is not None and args.use_peft and saved.is_file():
         config = json.loads(saved.read_text())
         flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
-        if args.lora_target_modules and args.lora_target_modules != ["all-linear"]:  # PEFT saves all-linear resolved
-            flags["target_modules"] = sorted(args.lora_target_modules)
-            config["target_modules"] = sorted(config.get("target_modules") or [])
         differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
                   if config.get(key) != value]
+        # PEFT saves the modules it resolved its target_modules to (its default for the architecture, all-linear): so
+        # are the flags' compared. Flags that match no module, or an unreadable --model: check_trainer says so.
+        if model_shape_error(args) is None:
+            with contextlib.suppress(ValueError):
+                ours = set(lora_model(args).peft_config["default"].target_modules)
+                theirs = set(config.get("target_modules") or [])
+                if ours != theirs:  # named by kind: all-linear resolves to every layer's modules by path
+                    saved_on, flags_on = (" ".join(sorted({n.split(".")[-1] for n in names})) for names in (theirs, ours))
+                    differ.append(f"target_modules {saved_on} (flags: {flags_on})")
         return (f"{checkpoint} holds an adapter of another shape: {', '.join(differ)}; resume with the run's "
                 "--lora-* flags") if differ else None
     if checkpoint is None or args.use_peft == saved.is_file():
@@ -2371,9 +2431,9 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
     """
 
     def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, groups_per_pass: int,
-                 **loop_kwargs: Any):
+                 groups_path: str = "", **loop_kwargs: Any):
         super().__init__(**loop_kwargs)
-        self.efficiency_weight = efficiency_weight
+        self.efficiency_weight, self.groups_path = efficiency_weight, groups_path
         self.max_zero_variance_groups = max_zero_variance_groups
         self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
         self.passes = PassRate(groups_per_pass)
@@ -2393,8 +2453,11 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
             self._rates["harbor/solve_rate_pass"][1] += scored
         if not rewards:
             self._counters["harbor/not_trained/no_scorable_groups_total"] += 1
+            self.settle(group, "no_scorable")
             return samples  # none scorable, so no samples: --max-consecutive-failures watches these
         zero = zero_variance(rewards)
+        kept_out = zero and self.max_zero_variance_groups > 0
+        self.settle(group, "zero_variance" if kept_out else "samples")
         keys = ["harbor/zero_variance_frac"]
         if self._factory.split_by_harness:
             keys.append(f"harbor/{group.prompts[0][0]['harbor_harness']}/zero_variance_frac")
@@ -2405,7 +2468,6 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         if not zero:
             self.flat_run = []
             return samples
-        kept_out = self.max_zero_variance_groups > 0
         self._counters["harbor/not_trained/zero_variance_groups_total"] += kept_out
         self._factory._say(f"[harbor] group {group.group_id}: zero variance, every scored rollout {rewards[0]:g}: "
                            + ("kept out of training" if kept_out else "trained at advantage 0"))
@@ -2420,6 +2482,17 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
                 "learn from: the tasks are too hard or too easy for the model. Measure pass rates (--eval-only "
                 "--curate) and train on the curated list, or raise --max-zero-variance-groups")
         return []
+
+    def settle(self, group, outcome: str) -> None:
+        """groups.jsonl, one line per scored group: how it was settled, decided here once. `samples` went to the
+        trainer (trained once an optimizer step takes them); `zero_variance` (kept out) and `no_scorable` never will
+        be, and a resume must not run them again (`HarborGRPOTrainer.resume_position` reads them)."""
+        if self.groups_path:
+            task = group.prompts[0][0]
+            record = {"time": time.time(), "group": group.group_id, "visit": self.dataset.visit(group.group_id),
+                      "task": task["harbor_task_name"], "harness": task["harbor_harness"], "outcome": outcome}
+            with open(self.groups_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     async def _run_loops(self, stop_event) -> None:
         try:
@@ -2441,25 +2514,47 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
 
 
 class RolloutAccounting:
-    """What reached the loss, per optimizer step, and where every rollout went, in one line at the end.
+    """What reached the loss, per optimizer step, and where every rollout and group went, in one line at the end.
 
     Produced: TRL's rollout child counts its rollouts and groups onto TRL's metric queue, which TRL's log() drains and
-    reduces by name into each step's log (a `_total` is the step's count). Trained: the collator is the one place that
-    sees a whole micro-batch (every rank's row, each loss token's advantage, each sample's group), and a micro-batch
-    counts once a training step takes it: accelerate collates one ahead, which a stop leaves untrained. Not trained:
-    unscorable rollouts, zero-variance groups kept out, groups with no scorable rollout, and the rest (groups TRL
-    dropped as stale, or still queued, batched or unfinished at the stop; TRL's stale-sample count and the samples
-    left in the queue say which). Counts start at this launch.
+    reduces by name into each step's log (a `_total` is the step's count); it also writes each rollout to
+    rollouts.jsonl and each group it scored, with how it settled it, to groups.jsonl. Trained: the collator is the one
+    place that sees a whole micro-batch (every rank's row, each loss token's advantage, each sample's group), and a
+    micro-batch counts once a training step takes it: accelerate collates one ahead, which a stop leaves untrained.
+    The end-of-run totals count from the two files, which lose nothing (TRL's metric queue drops what it has no room
+    for): every group is trained, kept out for zero variance, without a scorable rollout, or one whose samples no step
+    trained (TRL dropped them as stale, or they were queued, batched or collated at the stop). Counts start at this
+    launch.
     """
 
-    def __init__(self, path: str, num_generations: int):
-        self.path, self.num_generations = Path(path), num_generations
-        self.offset = self.path.stat().st_size if self.path.is_file() else 0  # where this launch's records start
+    def __init__(self, output_dir: str):
+        self.rollouts_path, self.groups_path = (Path(output_dir) / name for name in ("rollouts.jsonl", "groups.jsonl"))
+        # Where this launch's records start: TRL numbers groups from 0 at every launch.
+        self.offsets = {path: path.stat().st_size if path.is_file() else 0
+                        for path in (self.rollouts_path, self.groups_path)}
         self.last = time.monotonic()
         self.trained_groups: set[Any] = set()
         self.collated: collections.deque = collections.deque()  # (samples per group, loss tokens, informative ones)
         self.step_batches: list[tuple[collections.Counter, int, int]] = []
         self.totals: collections.Counter = collections.Counter()
+
+    def launch_records(self, path: Path) -> list[dict[str, Any]]:
+        if not path.is_file():
+            return []
+        with open(path, "rb") as f:
+            f.seek(self.offsets[path])
+            lines = f.read().splitlines()
+        records = []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue  # a line still being written
+        return records
+
+    def settled_groups(self) -> dict[int, str]:
+        """This launch's scored groups and how the rollout child settled each (HarborRolloutLoop.settle)."""
+        return {r["group"]: r["outcome"] for r in self.launch_records(self.groups_path)}
 
     def collate_with(self, collate: Any) -> Any:
         def counted(examples):
@@ -2475,20 +2570,6 @@ class RolloutAccounting:
     def take_microbatch(self) -> None:
         if self.collated:
             self.step_batches.append(self.collated.popleft())
-
-    def unscorable_groups(self) -> set[int]:
-        """This launch's groups whose every rollout failed: they yielded no sample, and a resume that reran them would
-        fail again. Read from rollouts.jsonl because TRL's metric queue carries figures, not which groups they were."""
-        failed = collections.defaultdict(list)
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            for line in f.read().splitlines():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a line still being written
-                failed[record["group"]].append(record["error"] is not None)
-        return {g for g, errors in failed.items() if len(errors) == self.num_generations and all(errors)}
 
     def count(self, metrics: dict[str, Any]) -> None:
         self.totals.update({k: v for k, v in metrics.items() if k.endswith("_total") and isinstance(v, float)})
@@ -2527,21 +2608,25 @@ class RolloutAccounting:
     def finish(self, queued_samples: int, held_out: dict[int, float | None]) -> None:
         """The run's totals, once TRL's rollout child has stopped: produced, trained, and why the rest was not."""
         t = {key: int(n) for key, n in self.totals.items()}
-        groups, trained = t.get("harbor/groups_total", 0), len(self.trained_groups)
-        kept_out = t.get("harbor/not_trained/zero_variance_groups_total", 0)
-        none = t.get("harbor/not_trained/no_scorable_groups_total", 0)
+        rollouts = self.launch_records(self.rollouts_path)
+        errors = collections.Counter(r["error"] for r in rollouts if r["error"] is not None)
+        settled = self.settled_groups()
+        outcomes = collections.Counter(settled.values())
+        with_samples = {g for g, outcome in settled.items() if outcome == "samples"}
+        trained, left = with_samples & self.trained_groups, with_samples - self.trained_groups
 
         def rate(step: int) -> str:
             return f"{'-' if held_out[step] is None else f'{held_out[step]:.2f}'} (step {step})"
 
         signal = (f", {t['informative_tokens'] / t['trained_tokens']:.0%} with a non-zero advantage"
                   if t.get("trained_tokens") else "")
-        say(f"[harbor] rollouts: {t.get('harbor/rollouts_total', 0)} finished, {t.get('harbor/errors_total', 0)} "
-            f"unscorable; groups: {groups} finished, {trained} reached the loss ({t.get('trained_tokens', 0)} "
-            f"tokens{signal}); not trained: {kept_out} zero-variance (kept out), {none} with no scorable rollout, "
-            f"{groups - trained - kept_out - none} dropped as stale or left at the stop "
-            f"({t.get('sample/dropped_stale_total', 0)} stale samples, {queued_samples} samples still queued, "
-            f"{len(self.collated)} micro-batches collated but not trained)"
+        say(f"[harbor] rollouts: {len(rollouts)} finished, {sum(errors.values())} unscorable; groups: "
+            f"{outcomes.total()} finished, {len(trained)} reached the loss ({t.get('trained_tokens', 0)} "
+            f"tokens{signal}); not trained: {outcomes['zero_variance']} zero-variance (kept out), "
+            f"{outcomes['no_scorable']} with no scorable rollout, {len(left)} dropped as stale or left at the stop "
+            f"({t.get('sample/dropped_stale_total', 0)} stale samples, "
+            f"{queued_samples} samples still queued, {len(self.collated)} micro-batches collated but not trained)"
+            + (f"; unscorable: {', '.join(f'{kind} {n}' for kind, n in errors.most_common())}" if errors else "")
             + (f"; held-out pass rate {rate(min(held_out))} -> {rate(max(held_out))}" if held_out else ""))
 
 
@@ -2550,19 +2635,15 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     terminates it: a child cannot exit while items it put on `rollout_buffer` / `metrics_queue` are unread (mp.Queue
     flushes its pipe at exit), and at a preemption those seconds come out of the grace period before the checkpoint
     save. The stop Event is set from a thread: if the child died holding the Event's lock, `set()` never returns.
-    What it drains counts in the run's totals: samples as produced but never trained, metrics as the rollouts and
-    groups that finished after the last step's log."""
+    The samples it drains count in the run's totals as produced but never trained; the run's files hold the rest."""
     proc, t0 = worker._process, time.monotonic()
 
     def drain() -> None:
         for q in (worker.rollout_buffer, worker.metrics_queue):
             try:
                 while True:
-                    item = q.get_nowait()
-                    if q is worker.rollout_buffer:
-                        worker.samples_left_at_stop += 1
-                    else:
-                        worker.metrics_left_at_stop.append(item)
+                    q.get_nowait()
+                    worker.samples_left_at_stop += q is worker.rollout_buffer
             except (queue.Empty, OSError, EOFError, ValueError):
                 pass
 
@@ -2707,14 +2788,12 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         _loop_cls = HarborRolloutLoop
         stop = stop_rollout_worker
         samples_left_at_stop = 0
-        metrics_left_at_stop: list[dict[str, Any]] = []
         pending: list[int] = []  # the untrained groups the resumed checkpoint left (_inner_training_loop)
 
         def start(self) -> None:
             # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
             kw = self._loop_kwargs
             self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
-            self.metrics_left_at_stop = []
             kw.update(dataset=self.order, dataset_start_index=0)
             super().start()
 
@@ -2772,6 +2851,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         def log(self, logs, start_time=None):
             if "loss" in logs and self.accelerator.is_main_process:
                 accounting.step(self.state.global_step, logs)
+            elif self.accelerator.is_main_process:  # the run's closing log: what TRL counted after the last step
+                accounting.count(logs)
             super().log(logs, start_time)
 
     class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
@@ -2809,12 +2890,15 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             return loss
 
         def resume_position(self) -> tuple[list[int], int]:
-            """Untrained visits and the next visit, for rollout_state.json: every group the trainer took but no
-            optimizer step trained runs again (collated ahead, in a dropped step, stale), none that one trained does.
-            A group that yielded no sample at all (every rollout failed) is done: rerunning it would fail again. The
+            """Unsettled visits and the next visit, for rollout_state.json. Settled, never run again: a group an
+            optimizer step trained, and one the rollout child settled without a sample (kept out for zero variance,
+            or none of its rollouts scorable, which a rerun would fail again; groups.jsonl). Every other group the
+            trainer took or the child scored runs again (collated ahead, in a dropped step, stale, still queued). The
             step's log (every step) has counted its groups as trained before a save reads them."""
-            seen = max(self._trained_groups, default=-1) + 1  # TRL's set of the groups it collated
-            return self.rollout_worker.order.after(seen, accounting.trained_groups | accounting.unscorable_groups())
+            done = accounting.trained_groups | {g for g, outcome in accounting.settled_groups().items()
+                                                if outcome != "samples"}
+            seen = max(self._trained_groups | done, default=-1) + 1  # TRL's set of the groups it collated
+            return self.rollout_worker.order.after(seen, done)
 
         def _inner_training_loop(self, *a, **kw):
             checkpoint = kw.get("resume_from_checkpoint")
@@ -2825,8 +2909,6 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 return super()._inner_training_loop(*a, **kw)
             finally:  # TRL's own `finally` has stopped the rollout child by now
                 if self.accelerator.is_main_process:
-                    for metrics in self.rollout_worker.metrics_left_at_stop:
-                        accounting.count(metrics)
                     accounting.finish(self.rollout_worker.samples_left_at_stop, getattr(self, "held_out", {}))
 
         def _init_lora_sync(self, model):
@@ -2906,7 +2988,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     dataset = Dataset.from_list(task_rows(tasks, split, args.harnesses))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     records = os.path.join(args.output_dir, "rollouts.jsonl")
-    accounting = RolloutAccounting(records, args.num_generations)
+    accounting = RolloutAccounting(args.output_dir)
     worker = HarborRolloutWorker(
         model_name=args.model, dataset=dataset, reward_funcs=[],
         processing_class=tokenizer, vllm_server_url=config.vllm_server_base_url,
@@ -2918,6 +3000,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit),
         efficiency_weight=args.efficiency_weight,
         max_zero_variance_groups=args.max_zero_variance_groups, groups_per_pass=len(dataset),
+        groups_path=str(accounting.groups_path),
     )
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
                                 rollout_worker=worker, peft_config=peft_config(args))

@@ -38,10 +38,13 @@ Policy (`--policy`, JSON; every key optional):
      "score_temperature_offset": 0.3,  # logprobs scored at T + 0.3: an engine that reports another policy than
                                        # the one it sampled from
      "hold_from_weight_version": 3,  # from the 3rd weight load on, chat requests wait until a policy without
-                                     # this key is set: rollouts stall, so the trainer waits for them
+                                     # this key is set: rollouts stall, so the trainer waits for them (`held` in
+                                     # /stand_in/stats counts the requests waiting)
      "agent_end": {"coin": "hang", "coin2": "exit"},  # after turn 0, instead of submitting: "hang" runs `sleep`
                                      # until Harbor's agent timeout, "exit" kills the agent (a non-zero agent exit);
-                                     # Harbor's verifier still scores the answer turn 0 wrote
+                                     # Harbor's verifier still scores the answer turn 0 wrote; "die" is the
+                                     # engine's own failure: it answers turn 1 with vLLM's 500 of a dead engine
+                                     # core and exits, as vLLM's server does (later calls find no server)
      "choices": {"choose": ["cat", "dog", "fox", "tag"]},  # the MODEL decides these tasks' answers (below)
      "seed": 0}                                             # of the engine's sampling of those choices
 
@@ -70,6 +73,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import shlex
@@ -97,6 +101,10 @@ class HTTPError(Exception):
         self.status = status
 
 
+class EngineDead(HTTPError):
+    """vLLM's EngineDeadError: answered as a 500, then its API server shuts down."""
+
+
 class Engine:
     def __init__(self, model_dir, served_name, policy, token_ids=True, max_model_len=32768,
                  logprobs_mode="processed_logprobs", tool_parser=True, weight_transfer=True, dtype="auto",
@@ -117,6 +125,7 @@ class Engine:
         self.running.set()
         self.weight_version = 0
         self.n_requests = 0
+        self.held = 0  # requests waiting for a policy without `hold_from_weight_version`
         self.rollouts_by_task: dict[str, int] = {}
         self.rng = random.Random(policy.get("seed", 0))  # samples the model's own choices (`choices`)
         self.requests: list[dict] = []
@@ -130,8 +139,13 @@ class Engine:
             raise HTTPError(400, "stand-in engine does not stream (the capture proxy always sends stream=false)")
         if body.get("n", 1) != 1:
             raise HTTPError(400, "stand-in engine supports n=1 only")
-        while self.weight_version >= self.policy.get("hold_from_weight_version", math.inf):
-            time.sleep(0.2)
+        if self.weight_version >= self.policy.get("hold_from_weight_version", math.inf):
+            with self.state_lock:
+                self.held += 1
+            while self.weight_version >= self.policy.get("hold_from_weight_version", math.inf):
+                time.sleep(0.2)
+            with self.state_lock:
+                self.held -= 1
         with self.state_lock:
             index = self.n_requests
             self.n_requests += 1
@@ -219,6 +233,8 @@ class Engine:
         task = match.group(1) if match else "unknown"
         if any(m.get("role") == "assistant" for m in messages):
             end = policy.get("agent_end", {}).get(task)
+            if end == "die":
+                raise EngineDead(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.")
             # mini-swe-agent runs each command in a shell it spawns: $PPID is the agent itself.
             command = {"hang": "sleep 3600", "exit": "kill -9 $PPID"}.get(end, SUBMIT)
             return end or "submit", [_tool_call_text(command)]
@@ -289,7 +305,7 @@ class Engine:
 
     def stats(self) -> dict:
         with self.state_lock:
-            return {"requests": self.n_requests, "weight_version": self.weight_version,
+            return {"requests": self.n_requests, "held": self.held, "weight_version": self.weight_version,
                     "paused": not self.running.is_set(), "control_calls": dict(self.control_calls),
                     "chat": list(self.requests)}
 
@@ -415,12 +431,13 @@ def _handler(engine: Engine, dev_mode: bool):
                 self._answer(None)
 
         def _answer(self, produce):
+            failure = None
             try:
                 if produce is None:
                     raise HTTPError(404, f"no route {self.command} {self.path}")
                 status, payload = 200, produce()
             except HTTPError as exc:
-                status, payload = exc.status, _error(exc.status, str(exc))
+                failure, status, payload = exc, exc.status, _error(exc.status, str(exc))
             except Exception as exc:  # noqa: BLE001 - a bad request must not kill the engine under test
                 status, payload = 400, _error(400, f"{type(exc).__name__}: {exc}")
             data = json.dumps(payload).encode()
@@ -429,6 +446,9 @@ def _handler(engine: Engine, dev_mode: bool):
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+            if isinstance(failure, EngineDead):
+                self.wfile.flush()
+                os._exit(1)
 
         def log_message(self, *args):  # per-request lines would drown test output; /stand_in/stats has the record
             pass
