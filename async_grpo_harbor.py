@@ -26,14 +26,25 @@ scores the workspace. This script turns each rollout into a GRPO sample and trai
 
 Run it (see README.md for the full walk-through):
 
-    # 1. the policy server, on GPU 0 (32k-token rows need a trainer GPU of > 90 GiB in float32: README, Capacity)
+    # one GPU. 1. the policy server, bound to this host (the ipc backend unpickles what it is sent), on 0.30 of the
+    #    GPU's total memory: the trainer gets the rest (the preflight's `trainer memory` row checks that it fits)
+    VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 \
+        --host 127.0.0.1 --port 8000 --gpu-memory-utilization 0.30 --max-model-len 32768 \
+        --enable-auto-tool-choice --tool-call-parser hermes \
+        --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
+        --weight-transfer-config '{"backend":"ipc"}'
+
+    # 2. train on the same GPU; starts its own Harbor server (`openenv harbor serve`) on 127.0.0.1 and stops it at exit
+    E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py \
+        --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://127.0.0.1:8000
+
+    # two GPUs: the policy server on GPU 0, weights pushed over NCCL
     CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 \
         --max-model-len 32768 --enable-auto-tool-choice --tool-call-parser hermes \
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"nccl"}'
 
-    # 2. train, on GPU 1 (never vLLM's); starts its own Harbor server (`openenv harbor serve`) on 127.0.0.1 and
-    #    stops it at exit
+    # ... and the trainer on GPU 1 (never vLLM's)
     CUDA_VISIBLE_DEVICES=1 E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py \
         --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://localhost:8000
 
@@ -1417,6 +1428,38 @@ def trainer_dtype(args: argparse.Namespace) -> str | None:
     return None if model_shape_error(args) else model_shape(args.model)[1]
 
 
+class TrainerShape(NamedTuple):
+    """What the trainer holds for --model at --dtype: the sizes its checkpoints and its GPU memory follow from."""
+    params: int  # every parameter of --model
+    width: int  # bytes per weight at the trainer's dtype
+    adapter: int  # trained LoRA adapter parameters (float32); 0 for a full fine-tune
+    adapted_inputs: int  # input features of the linears LoRA adapts, summed over one decoder layer
+    layers: int
+    hidden: int
+    intermediate: int
+
+
+def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
+    """From --model's config alone (no weights are read); None when it cannot be read or --dtype auto resolved."""
+    dtype = trainer_dtype(args)
+    if dtype is None or model_shape_error(args) is not None:
+        return None
+    config = AutoConfig.from_pretrained(args.model)
+    text = config.get_text_config()
+    adapter = adapted = 0
+    if args.use_peft:
+        from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
+        from peft.tuners.lora import LoraLayer
+
+        with torch.device("meta"):  # no weights are read
+            model = get_peft_model(AutoModelForCausalLM.from_config(config), peft_config(args))
+        adapter = model.get_nb_trainable_parameters()[0]
+        adapted = sum(m.in_features for m in model.modules() if isinstance(m, LoraLayer)) // text.num_hidden_layers
+    return TrainerShape(model_shape(args.model)[0], torch.finfo(getattr(torch, dtype)).bits // 8, adapter, adapted,
+                        text.num_hidden_layers, text.hidden_size,
+                        getattr(text, "intermediate_size", None) or 4 * text.hidden_size)
+
+
 def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> dict[str, Any]:
     """What only the trainer's own machine can tell, before any weights load."""
     facts: dict[str, Any] = {}
@@ -1451,26 +1494,21 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
         else:
             pf.add("precision", PASS, f"{dtype} weights: AdamW steps of ~{args.learning_rate:g} exceed half the "
                    f"{dtype} spacing at |w| = {typical} ({half_step:.1e})")
+    facts["trainer_shape"] = shape = trainer_shape(args)
     if (problem := model_shape_error(args)) is not None:
         pf.add("checkpoints", SKIP, f"size unknown: {problem}")
-    elif writable and dtype is not None:
-        params = model_shape(args.model)[0]
-        width = torch.finfo(getattr(torch, dtype)).bits // 8
+    elif writable and shape is not None:
+        params, width = shape.params, shape.width
         kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
         free = shutil.disk_usage(args.output_dir).free
         written = f"{kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written"
         if args.use_peft:
-            from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
-
             # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
-            with torch.device("meta"):  # no weights are read
-                base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
-                adapter = get_peft_model(base, peft_config(args)).get_nb_trainable_parameters()[0]
-            facts["checkpoint_bytes"] = size = adapter * 4 * 3
+            facts["checkpoint_bytes"] = size = shape.adapter * 4 * 3
             merged = params * width  # <output dir>/merged, written once at the end
             peak = (kept + 1) * size + merged
-            detail = (f"~{human_bytes(size)} each ({adapter / 1e6:.2f} M adapter params x 12 B: float32 adapter + 2 "
-                      f"AdamW moments); {written}, and the merged model at the end ({human_bytes(merged)}) = "
+            detail = (f"~{human_bytes(size)} each ({shape.adapter / 1e6:.2f} M adapter params x 12 B: float32 adapter "
+                      f"+ 2 AdamW moments); {written}, and the merged model at the end ({human_bytes(merged)}) = "
                       f"{human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
         else:
             # transformers saves the weights and torch's AdamW state (two moments) in the weights' dtype.
@@ -1586,6 +1624,190 @@ def check_attention_kernel(pf: Preflight) -> None:
                gpu_fix)
         return
     pf.add("attention kernel", PASS, f"{repo} loaded and ran on {gpu}")
+
+
+# The trainer's peak memory per token of a packed row, beyond the layer inputs gradient checkpointing keeps, fitted to
+# every peak bench/gpu_capacity.py recorded on an H200 through TRL's loss path (gradient checkpointing, fused chunked LM
+# head, bf16 autocast, fused AdamW; tests/test_trainer_memory.py holds each within 2 % of the projection): one decoder
+# layer recomputed with its gradients costs these bytes per (hidden + intermediate) feature (measured 19.9 / 18.1 in a
+# Qwen3-4B full fine-tune at float32 / bfloat16; 12.5-13.1 over a frozen bfloat16 base of 8B-32B), and every linear LoRA
+# adapts these per input feature (5.9-6.0: PEFT's dropout copy, its mask and their gradient).
+RECOMPUTE_FULL, RECOMPUTE_FROZEN, LORA_INPUT = 20, 13, 6
+# The weight push's staging copies: CUDA-IPC pushes bfloat16 copies in 1 GiB chunks (0.7-1.1 GiB over the trainer's
+# peak, measured on an H200); no push stages more than the served weights.
+PUSH_STAGING = 2**30
+# What torch's caching allocator does not count on the trainer's GPU (kernels' code, library handles, NCCL's buffers):
+# a cap on the allocator has to leave it free.
+OUTSIDE_ALLOCATOR = 2**29
+# vLLM's own buffers beyond weights and KV cache (activations, CUDA graphs, sampler): Qwen3-4B at 0.35 of an H200 held
+# 7.5 GiB of weights and 40.5 GiB of KV cache of its 49.1 GiB.
+VLLM_BUFFERS = int(1.1 * 2**30)
+# Past the measured error, so a projection this close to the limit warns instead of passing.
+MEMORY_TOLERANCE = 0.05
+# The tokens a rollout starts with (system prompt + task) when a row is planned as prompt + turns x tokens per turn
+# (README: Capacity; the rig's mini-swe-agent prompt is ~1.1k).
+PROMPT_TOKENS = 1500
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:,.1f} MiB"
+
+
+def gpu_memory() -> tuple[int, int] | None:
+    """(free, total) bytes on the trainer's GPU (rank 0's cuda:0) as the driver reports them; None without one."""
+    try:
+        return torch.cuda.mem_get_info(0)
+    except (AssertionError, RuntimeError):  # torch built without CUDA asserts; with CUDA but no device it raises
+        return None
+
+
+def longest_row(args: argparse.Namespace, max_model_len: int | None) -> int | None:
+    """Tokens one trainer rank forwards at most in a micro-batch: TRL packs rollouts into a row up to its token budget
+    (unset: vLLM's max_model_len, TRL's own default), or takes per_device_train_batch_size rollouts without one."""
+    budget = args.config.token_budget
+    if budget is not None and budget > 0:
+        return budget
+    if not max_model_len:
+        return None
+    return max_model_len if budget is None else args.config.per_device_train_batch_size * max_model_len
+
+
+def trainer_peak(shape: TrainerShape, row: int, ranks: int = 1, fsdp: bool = False) -> dict[str, int]:
+    """Peak bytes torch's allocator holds on one trainer GPU in an optimizer step over a `row`-token row, by part.
+
+    Gradient checkpointing keeps every layer's input (at the weights' width: embeddings and norms run outside bf16
+    autocast) until backward, which frees them layer by layer while it adds that layer's gradients: the peak holds the
+    larger of the two, plus the layer being recomputed.
+    """
+    lora = shape.adapter > 0
+    trained, width = (shape.adapter, 4) if lora else (shape.params, shape.width)  # PEFT trains float32 adapters
+    shard = ranks if fsdp else 1  # FSDP shards weights, gradients and AdamW state; DDP gives every rank all of them
+    grads, saved = trained * width // shard, row * shape.layers * shape.hidden * shape.width
+    recompute = (RECOMPUTE_FROZEN if lora else RECOMPUTE_FULL) * (shape.hidden + shape.intermediate)
+    parts = {"frozen base": shape.params * shape.width // shard if lora else 0,
+             # torch's AdamW keeps both moments in the weight's dtype
+             f"{'adapters' if lora else 'weights'} + AdamW": 3 * trained * width // shard,
+             "gradients" if grads >= saved else "saved layer inputs": max(grads, saved),
+             # accelerate's DDP copies every gradient into its buckets (gradient_as_bucket_view off)
+             "DDP buckets": grads if ranks > 1 and not fsdp else 0,
+             "layer recomputed": row * (recompute + LORA_INPUT * shape.adapted_inputs),
+             "push staging": min(PUSH_STAGING, 2 * shape.params)}
+    return {part: n for part, n in parts.items() if n}
+
+
+def longest_fitting_row(shape: TrainerShape, limit: int, ranks: int, fsdp: bool, upto: int) -> int:
+    low, high = 0, upto
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if sum(trainer_peak(shape, mid, ranks, fsdp).values()) <= limit else (low, mid - 1)
+    return low
+
+
+def engine_memory(args: argparse.Namespace) -> tuple[str | None, float | None]:
+    """vLLM's weight-transfer backend and --gpu-memory-utilization from its /server_info (dev mode); None where it
+    does not say."""
+    try:
+        config = http_json(f"{args.vllm_url}/server_info?config_format=json")["vllm_config"]
+        return ((config.get("weight_transfer_config") or {}).get("backend"),
+                (config.get("cache_config") or {}).get("gpu_memory_utilization"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, None
+
+
+def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: TrainerShape | None,
+                         served: dict[str, Any] | None,
+                         engine: tuple[str | None, float | None] | None = None) -> dict[str, Any]:
+    """The trainer's projected peak on its GPU against what it may use there, before any weights load or paid rollout.
+
+    On a GPU vLLM shares (the ipc backend) that is what vLLM's --gpu-memory-utilization leaves of the card's total:
+    vLLM sized its KV cache and activations to that share at start and need not hold all of it at every moment. The
+    plan then caps the trainer there (train() applies it), so it never grows into vLLM's share.
+    """
+    check = "trainer memory"
+    if shape is None:
+        pf.add(check, SKIP, f"not projected: {model_shape_error(args) or '--dtype auto: its dtype is unknown'}")
+        return {}
+    row = longest_row(args, served and served.get("max_model_len"))
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    parts = trainer_peak(shape, row or 0, ranks, fsdp)
+    need = sum(parts.values())
+    dtype = trainer_dtype(args)
+    what = (f"LoRA r {args.lora_r} on a frozen {dtype} base" if shape.adapter else f"full fine-tune, {dtype} weights")
+    what += f", FSDP over {ranks} ranks" if fsdp and ranks > 1 else f", {ranks} DDP ranks" if ranks > 1 else ""
+    budget = "--token-budget" if (args.config.token_budget or 0) > 0 else "vLLM's max_model_len"
+    rows = (f"a {row:,}-token row (TRL packs rollouts up to its token budget, here {budget})" if row
+            else "the static part alone (the row is TRL's token budget, vLLM's max_model_len: unknown)")
+    detail = f"projected peak {gib(need)} for {rows}, {what}: {', '.join(f'{k} {gib(n)}' for k, n in parts.items())}"
+    memory = gpu_memory()
+    if memory is None:
+        pf.add(check, SKIP, f"{detail}; no GPU to compare against (the trainer runs on CPU)")
+        return {}
+    free, total = memory
+    backend, utilisation = engine or (engine_memory(args) if served else (None, None))
+    shared = backend == "ipc"
+    usable = min(free, int(total * (1 - utilisation))) if shared and utilisation else free
+    limit = usable - OUTSIDE_ALLOCATOR
+    vllm = (f"; vLLM shares this GPU and sized itself to --gpu-memory-utilization {utilisation:g} x {gib(total)} = "
+            f"{gib(utilisation * total)}" if shared and utilisation else "")
+    room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}{vllm}; "
+            f"{gib(OUTSIDE_ALLOCATOR)} left for what torch's allocator does not count)")
+    if need > limit:
+        pf.add(check, FAIL, f"{detail} > {room}: training would run out of GPU memory at its first step, after a "
+               "group of paid rollouts", memory_fixes(args, shape, need, limit, total, row or 0, ranks, fsdp,
+                                                      utilisation if shared else None))
+        return {}
+    if row is None:
+        pf.add(check, SKIP, f"{detail}: fits {room}; the activations are projected once vLLM answers")
+        return {}
+    facts, cap = {}, ""
+    if shared:
+        facts["gpu_memory_fraction"] = fraction = min(1.0, (limit + torch.cuda.memory_reserved(0)) / total)
+        cap = (f"; the trainer is capped there at train start (torch.cuda.set_per_process_memory_fraction "
+               f"{fraction:.3f}), so it never grows into vLLM's share")
+    if need * (1 + MEMORY_TOLERANCE) > limit:
+        pf.add(check, WARN, f"{detail}, within {MEMORY_TOLERANCE:.0%} of {room}{cap}",
+               memory_fixes(args, shape, need, limit, total, row, ranks, fsdp, utilisation if shared else None))
+    else:
+        pf.add(check, PASS, f"{detail}; fits {room}, {gib(limit - need)} to spare{cap}")
+    return facts
+
+
+def vllm_floor(args: argparse.Namespace, shape: TrainerShape, tokens: int) -> int:
+    """Bytes a vLLM serving --model needs at the least: bfloat16 weights, the KV cache of one `tokens`-long sequence and
+    VLLM_BUFFERS."""
+    text = AutoConfig.from_pretrained(args.model).get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_per_token = 2 * shape.layers * getattr(text, "num_key_value_heads", text.num_attention_heads) * head_dim * 2
+    return 2 * shape.params + tokens * kv_per_token + VLLM_BUFFERS
+
+
+def memory_fixes(args: argparse.Namespace, shape: TrainerShape, need: int, limit: int, total: int, row: int,
+                 ranks: int, fsdp: bool, utilisation: float | None) -> str:
+    """The concrete ways to bring the projection under `limit` with MEMORY_TOLERANCE to spare, each with its
+    numbers."""
+    fixes = []
+    fits = longest_fitting_row(shape, int(limit / (1 + MEMORY_TOLERANCE)), ranks, fsdp, row)
+    tokens = fits // 1024 * 1024
+    if tokens >= PROMPT_TOKENS + args.max_completion_length:
+        steps = min(args.agent_step_limit, (tokens - PROMPT_TOKENS) // args.max_completion_length)
+        where = (f"--token-budget {tokens}" if (args.config.token_budget or 0) > 0
+                 else f"serve vLLM with --max-model-len {tokens} (TRL's token budget)")
+        fixes.append(f"{where} and pass --agent-step-limit {steps}, so a rollout of {args.max_completion_length}-token "
+                     f"turns still fits (the longest row with {MEMORY_TOLERANCE:.0%} to spare: {fits:,} tokens)")
+    if utilisation:
+        lower = math.floor((utilisation - (need * (1 + MEMORY_TOLERANCE) - limit) / total) * 100) / 100
+        least = vllm_floor(args, shape, row)
+        if lower * total >= least:
+            fixes.append(f"restart vLLM with --gpu-memory-utilization {lower:.2f} (now {utilisation:g}; it needs "
+                         f"{least / total:.2f} at the least: {gib(least)} for its weights, one {row:,}-token "
+                         "sequence's KV cache and its buffers)")
+    if not args.use_peft:
+        lora = trainer_shape(argparse.Namespace(**{**vars(args), "use_peft": True, "dtype": "bfloat16"}))
+        peak = lora and sum(trainer_peak(lora, row, ranks, fsdp).values())
+        if peak and peak * (1 + MEMORY_TOLERANCE) <= limit:
+            fixes.append(f"--use-peft (LoRA r {args.lora_r} on a bfloat16 base: {gib(peak)} projected for this row)")
+    return "; or ".join(fixes) or "train on a GPU with more free memory, or shard the trainer with FSDP (README: SLURM)"
 
 
 def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
@@ -1812,6 +2034,7 @@ def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborSer
         pf.add("GRPO", PASS, f"{args.num_generations} generations per group, {args.max_inflight} rollouts in flight")
         served = check_engine(args, pf)
         plan |= check_trainer(args, pf, writable)
+        plan |= check_trainer_memory(args, pf, plan["trainer_shape"], served)
     reachable = check_sandbox_reach(args, pf) if server is not None else True
     if served is None:
         pf.add("Harbor server", SKIP, "not checked: vLLM must answer first (the server samples from it); harness, "
@@ -2818,6 +3041,8 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
 def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
     if launch_rank() == 0:
         print_hyperparameters(args, plan, server)
+    if plan.get("gpu_memory_fraction"):  # vLLM shares this GPU: the trainer-memory row's cap
+        torch.cuda.set_per_process_memory_fraction(plan["gpu_memory_fraction"], 0)
     trainer = build_trainer(args, plan["split"], plan["tasks"], plan)
     STOP.deferred = True
     try:

@@ -72,13 +72,15 @@ trainer_args() {
   TRAINER_ARGS+=("${SCRIPT_ARGS[@]}")
 }
 
-# `vllm serve` as the script's docstring gives it; extra flags (parallelism, --host) are appended.
+# `vllm serve` as the script's docstring gives it; extra flags (parallelism, --host) are appended, ENGINE_ARGS last so
+# that the user's own flags win. WEIGHT_BACKEND: nccl (the trainer on GPUs of its own) or ipc (the trainer on vLLM's
+# GPU; the script reads which one from vLLM's /server_info).
 vllm_command() {
   local extra=()
   read -ra extra <<<"${ENGINE_ARGS:-}"
   VLLM_CMD=("${UV_RUN[@]}" vllm serve "$MODEL" --port "$ENGINE_PORT" --max-model-len "$MAX_MODEL_LEN"
     --enable-auto-tool-choice --tool-call-parser hermes --logprobs-mode processed_logprobs
-    --return-tokens-as-token-ids --weight-transfer-config '{"backend":"nccl"}' "$@" "${extra[@]}")
+    --return-tokens-as-token-ids --weight-transfer-config "{\"backend\":\"${WEIGHT_BACKEND:-nccl}\"}" "$@" "${extra[@]}")
 }
 
 # One GPU: the script itself. Several: accelerate with FSDP2, the only multi-GPU mode TRL's AsyncGRPO supports.

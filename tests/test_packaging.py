@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.metadata
+import json
 import os
 import re
 import shlex
@@ -150,30 +151,53 @@ def help_default(flag: str) -> str:
     return re.search(r"\(default: ([^)]*)\)", " ".join(entry.split()))[1]
 
 
+def weight_transfer_backend(flags: list[str]) -> str:
+    return json.loads(flags[flags.index("--weight-transfer-config") + 1])["backend"]
+
+
 def test_readme_runs_the_commands_of_the_scripts_docstring():
     """A user copies from either; both must say the same. The docstring runs vLLM from the environment, the README
-    pins it with uvx: the environment it sets, the model and every flag must match."""
+    pins it with uvx: the environment it sets, the model and every flag must match, one GPU (ipc) first, then two
+    (nccl)."""
     docstring = shell_commands(ast.get_docstring(ast.parse(SCRIPT.read_text())))
     readme = readme_commands()
     doc_vllm = [vllm_serve(c) for c in docstring if " vllm serve " in f" {c} "]
     readme_vllm = [vllm_serve(c) for c in readme if " vllm serve " in f" {c} "]
-    assert doc_vllm and readme_vllm
-    assert all(v == doc_vllm[0] for v in doc_vllm + readme_vllm), (doc_vllm, readme_vllm)
+    assert [weight_transfer_backend(flags) for _, flags in doc_vllm] == ["ipc", "nccl"], doc_vllm
+    assert readme_vllm == doc_vllm
     runs = [c for c in docstring if "uv run async_grpo_harbor.py" in c]
-    assert len(runs) >= 4, runs
+    assert len(runs) >= 5, runs
     assert [c for c in runs if c not in readme] == []
 
 
-def test_readme_vllm_command_is_the_one_the_gpu_test_serves():
-    """tests/gpu proves the README's vLLM flags on real GPUs; it must serve exactly those."""
-    tree = ast.parse((SCRIPT.parent / "tests" / "gpu" / "test_two_gpus.py").read_text())
-    gpu_flags = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                     and getattr(n.targets[0], "id", "") == "README_FLAGS")
-    _, served = next(vllm_serve(c) for c in readme_commands() if " vllm serve " in f" {c} ")
-    flags = served[1:]  # the model first
-    assert all(f in flags for f in gpu_flags), set(gpu_flags) - set(flags)
-    assert {f for f in flags if f.startswith("--")} - {f for f in gpu_flags if f.startswith("--")} <= \
-        {"--port", "--max-model-len"}
+def test_the_one_gpu_vllm_is_bound_to_this_host_and_leaves_the_trainer_its_share():
+    """The ipc backend unpickles what it is sent: exposed beyond the host it would run code for anyone who reaches
+    the port. Its utilisation is a fraction of the card's total, so it is set, not vLLM's default 0.92."""
+    env, flags = next(v for v in (vllm_serve(c) for c in readme_commands() if " vllm serve " in f" {c} ")
+                      if weight_transfer_backend(v[1]) == "ipc")
+    assert {"VLLM_SERVER_DEV_MODE=1", "VLLM_ALLOW_INSECURE_SERIALIZATION=1"} <= env
+    assert not any(e.startswith("CUDA_VISIBLE_DEVICES=") for e in env), "one GPU: the trainer's is vLLM's"
+    assert flags[flags.index("--host") + 1] == "127.0.0.1"
+    assert float(flags[flags.index("--gpu-memory-utilization") + 1]) <= 0.5
+
+
+def test_readme_vllm_commands_are_the_ones_the_gpu_tests_serve():
+    """tests/gpu proves the README's vLLM flags on real GPUs: each GPU test that declares README_FLAGS serves exactly
+    the README command of its weight-transfer backend."""
+    readme = {weight_transfer_backend(flags): flags[1:] for _, flags in
+              (vllm_serve(c) for c in readme_commands() if " vllm serve " in f" {c} ")}  # the model first
+    proven = []
+    for path in sorted((SCRIPT.parent / "tests" / "gpu").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        for gpu_flags in [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                          and getattr(n.targets[0], "id", "") == "README_FLAGS"]:
+            backend = weight_transfer_backend(gpu_flags)
+            flags = readme[backend]
+            assert all(f in flags for f in gpu_flags), (path.name, set(gpu_flags) - set(flags))
+            assert {f for f in flags if f.startswith("--")} - {f for f in gpu_flags if f.startswith("--")} <= \
+                {"--port", "--max-model-len", "--host", "--gpu-memory-utilization"}, path.name
+            proven.append(backend)
+    assert "nccl" in proven, proven
 
 
 def test_readme_harbor_server_gets_the_settings_the_script_gives_its_own():

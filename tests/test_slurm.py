@@ -169,6 +169,31 @@ def test_one_trainer_gpu_runs_the_script_itself_and_vllm_serves_the_scripts_defa
     assert not job.started("accelerate")
 
 
+def test_a_one_gpu_job_shares_the_card_with_vllm_over_cuda_ipc(tmp_path):
+    port = free_port()
+    job = Job(tmp_path, SINGLE, ["--tasks", "0-9"], CUDA_VISIBLE_DEVICES="3", ENGINE_PORT=str(port))
+    assert job.wait() == 0, job.output()
+    [vllm] = job.started("vllm")
+    argv, env = vllm["argv"], vllm["env"]
+    assert after(argv, "--weight-transfer-config") == '{"backend":"ipc"}'
+    # The IPC backend unpickles what it is sent: loopback only, and the variable that lets it unpickle at all.
+    assert after(argv, "--host") == "127.0.0.1" and env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    assert after(argv, "--gpu-memory-utilization") == "0.30"
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    [trainer] = job.started("python")
+    assert trainer["env"]["CUDA_VISIBLE_DEVICES"] == "3"
+    assert trainer["argv"][1:] == ["--vllm-url", f"http://127.0.0.1:{port}", "--resume", "auto", "--tasks", "0-9"]
+    assert not job.started("accelerate")
+
+
+def test_a_vllm_share_the_user_gives_wins_over_the_default():
+    proc = dry_run(SINGLE, "--tasks", "0-9", CUDA_VISIBLE_DEVICES="0", ENGINE_ARGS="--gpu-memory-utilization 0.5")
+    assert proc.returncode == 0, proc.stderr
+    words = next(line for line in proc.stdout.splitlines() if "vllm serve" in line).split()
+    shares = [value for flag, value in zip(words, words[1:]) if flag == "--gpu-memory-utilization"]
+    assert shares == ["0.30", "0.5"]  # vLLM's parser keeps the last
+
+
 @pytest.mark.parametrize("resume", [["--resume"], ["--resume", "runs/x/checkpoint-50"], ["--resume=latest"]])
 def test_a_resume_the_user_chose_replaces_resume_auto(resume):
     proc = dry_run(SINGLE, "--tasks", "0-9", *resume)
@@ -244,7 +269,9 @@ def test_dry_run_prints_each_command_and_starts_nothing(tmp_path):
 @pytest.mark.parametrize("env, args, message", [
     ({"CUDA_VISIBLE_DEVICES": "0,1", "TRAINER_GPUS": "2"}, [], "ENGINE_GPUS + TRAINER_GPUS = 3 but the job has 2"),
     ({"ENGINE_GPUS": "3", "ENGINE_TP": "2"}, [], "ENGINE_GPUS (3) must be a multiple of ENGINE_TP (2)"),
-    ({"TRAINER_GPUS": "zero"}, [], "TRAINER_GPUS must be an integer >= 1 (got 'zero')"),
+    ({"TRAINER_GPUS": "zero"}, [], "TRAINER_GPUS must be an integer >= 0 (got 'zero')"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "ENGINE_GPUS": "2", "TRAINER_GPUS": "0"}, [],
+     "TRAINER_GPUS=0 shares vLLM's GPU, so vLLM gets one (ENGINE_GPUS=1, not 2)"),
     ({}, ["--vllm-url", "http://elsewhere:8000"], "--vllm-url is set by this wrapper"),
 ])
 def test_a_bad_split_or_flag_is_one_error_line_before_anything_starts(env, args, message):

@@ -1,6 +1,6 @@
 """CPU stand-ins for the parts of TRL's async GRPO that cannot run on this machine (no GPU, no vLLM, no hub).
 
-Only four things are replaced; everything else of TRL runs for real:
+Only five things are replaced; everything else of TRL runs for real:
 
 (a) `packing._flash_attn` -- the tree attention kernel (`kernels` hub download of FA3, CUDA only) -> `SDPA_VARLEN`,
     an SDPA implementation of `flash_attn_varlen_func` with the same semantics (per-segment varlen attention,
@@ -15,6 +15,9 @@ Only four things are replaced; everything else of TRL runs for real:
     the (name, tensor) stream and POSTs `safetensors.torch.save(state_dict)` to `{server_url}/stand_in/load_weights`.
     The HTTP control calls (wait_for_server_ready, get_dtype + its dtype-mismatch warning, pause/resume,
     start_weight_update, finish_weight_update) are the real `VLLMClient` ones.
+(e) `torch.cuda.mem_get_info` -> the free and total GiB in $AGH_RIG_GPU_MEMORY (`FREE,TOTAL`), only while it is set:
+    the preflight's trainer-memory row compares its projection with a GPU this machine does not have. Unset, torch's
+    own (which raises without CUDA, so the row says there is no GPU).
 
 `install()` is idempotent. It patches modules already imported and registers an import hook for the others, so it
 is cheap to call at interpreter start (see `tests/rig/sitecustomize/sitecustomize.py`, active when AGH_CPU_RIG=1).
@@ -26,6 +29,7 @@ import contextlib
 import importlib.abc
 import logging
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -234,6 +238,33 @@ def _patch_weight_transfer(module) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# (e) the GPU's memory, as the driver would report it
+# --------------------------------------------------------------------------------------------------------------------
+GPU_MEMORY_ENV = "AGH_RIG_GPU_MEMORY"
+
+
+def _patch_cuda(module) -> None:
+    original = getattr(module.mem_get_info, "_agh_original", module.mem_get_info)
+
+    def mem_get_info(device=None):
+        spec = os.environ.get(GPU_MEMORY_ENV)
+        if not spec:
+            return original(device)
+        free, total = (int(float(gib) * 2**30) for gib in spec.split(","))
+        return free, total
+
+    mem_get_info._agh_original = original
+    module.mem_get_info = mem_get_info
+
+
+def install_gpu_memory() -> None:
+    """(e) alone, in a process that imported torch already (a test running `main()` in-process)."""
+    import torch.cuda
+
+    _patch_cuda(torch.cuda)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # installation
 # --------------------------------------------------------------------------------------------------------------------
 _PKG = "trl.experimental.async_grpo"
@@ -242,6 +273,7 @@ _PATCHES = {
     f"{_PKG}.async_grpo_trainer": _patch_trainer,
     f"{_PKG}.async_rollout_worker": _patch_rollout_worker,
     f"{_PKG}.weight_transfer": _patch_weight_transfer,
+    "torch.cuda": _patch_cuda,
 }
 # Offline GPU runs (tests/gpu, AGH_CPU_RIG=attention) stand in for the hub-fetched kernel alone: vLLM, NCCL and CUDA
 # are real there.

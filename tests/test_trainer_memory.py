@@ -1,0 +1,239 @@
+"""The preflight's `trainer memory` row: the trainer's peak GPU memory, projected from --model's config before any
+weights load, against what the trainer may use on its GPU (on a GPU vLLM shares: what vLLM's
+--gpu-memory-utilization leaves); FAIL with the flags that make it fit, before any paid rollout. Without a GPU the
+projection is still printed. The GPU here is the driver's answer stood in for (tests/rig/cpu_trainer.py, (e))."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import sys
+
+import pytest
+from conftest import ROOT, RIG, free_port, load_script, run_main
+from test_check import refused_with, table
+
+sys.path.insert(0, str(RIG))
+import cpu_trainer  # noqa: E402
+
+cpu_trainer.install_gpu_memory()
+
+GIB = 2**30
+RECORDS = ROOT / "bench" / "results"
+# Every trainer peak bench/gpu_capacity.py recorded on one H200 (torch.cuda.max_memory_allocated, GiB; TRL's loss
+# path: gradient checkpointing, fused chunked LM head, bf16 autocast, fused AdamW), beside the projection for the same
+# shape and row, less the push staging the bench does not do. Left out: bfloat16 at 8,192, the bench's first row
+# after its float32 model, which its fused head's reference cycle kept alive (45.3 GiB; its 16k row is 33.4).
+# (shape, what was trained, row tokens, measured GiB, projected GiB)
+MEASURED = [
+    ("4b", "float32", 8192, 62.1, 61.8),
+    ("4b", "float32", 16384, 64.0, 63.7),
+    ("4b", "float32", 32768, 67.7, 67.4),
+    ("4b", "bfloat16", 16384, 33.4, 33.7),
+    ("4b", "bfloat16", 32768, 36.8, 37.5),
+    ("8b", "r16-default", 8192, 19.6, 19.6),
+    ("8b", "r16-default", 16384, 23.8, 23.8),
+    ("8b", "r16-default", 32768, 32.2, 32.3),
+    ("8b", "r16-all-linear", 8192, 21.3, 21.3),
+    ("8b", "r16-all-linear", 16384, 26.8, 26.9),
+    ("8b", "r16-all-linear", 32768, 37.7, 38.0),
+    ("8b", "r64-all-linear", 8192, 22.8, 22.8),
+    ("8b", "r64-all-linear", 16384, 28.3, 28.3),
+    ("8b", "r64-all-linear", 32768, 39.3, 39.5),
+    ("14b", "r16-default", 8192, 33.4, 33.5),
+    ("14b", "r16-default", 16384, 39.1, 39.3),
+    ("14b", "r16-default", 32768, 50.6, 50.9),
+    ("32b", "r16-default", 8192, 69.9, 69.8),
+    ("32b", "r16-default", 16384, 78.4, 78.3),
+    ("32b", "r16-default", 32768, 95.5, 95.3),
+    ("32b", "r16-all-linear", 8192, 73.4, 73.3),
+    ("32b", "r16-all-linear", 16384, 84.1, 84.1),
+    ("32b", "r16-all-linear", 32768, 105.6, 105.6),
+]
+TOLERANCE = 0.02  # the constants' comment in the script promises this
+FLAGS = {"float32": [], "bfloat16": ["--dtype", "bfloat16"], "r16-default": ["--use-peft"],
+         "r16-all-linear": ["--use-peft", "--lora-target-modules", "all-linear"],
+         "r64-all-linear": ["--use-peft", "--lora-r", "64", "--lora-target-modules", "all-linear"]}
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """Config-only model dirs of the Qwen3 shapes bench/gpu_capacity.py measured (no weights: nothing reads them)."""
+    from transformers import Qwen3Config
+
+    spec = importlib.util.spec_from_file_location("gpu_capacity", ROOT / "bench" / "gpu_capacity.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    dirs = {}
+    for name, config in {"4b": bench.QWEN3_4B, **bench.QWEN3_LARGE}.items():
+        dirs[name] = tmp_path_factory.mktemp(f"qwen3-{name}")
+        Qwen3Config(**config, dtype="bfloat16").save_pretrained(dirs[name])
+    return dirs
+
+
+def recorded(shape: str, what: str, row: int) -> float:
+    if shape == "4b":
+        record = json.loads((RECORDS / "2026-11-30-h200-capacity.json").read_text())[f"memory/{what}/{row}"]
+    else:
+        record = json.loads((RECORDS / f"2026-12-02-h200-lora-{shape}.json").read_text())[f"lora/{shape}/{what}/{row}"]
+    return record["peak_allocated_gib"]
+
+
+@pytest.mark.parametrize("shape, what", sorted({(s, w) for s, w, *_ in MEASURED}))
+def test_the_projection_lands_within_2_percent_of_every_peak_measured_on_an_h200(script, qwen3, shape, what):
+    trainer = script.trainer_shape(script.parse_args(["--model", str(qwen3[shape]), *FLAGS[what]]))
+    side_by_side = []
+    for _, _, row, measured, projected in [m for m in MEASURED if m[:2] == (shape, what)]:
+        parts = script.trainer_peak(trainer, row)
+        peak = (sum(parts.values()) - parts["push staging"]) / GIB
+        side_by_side.append((row, recorded(shape, what, row), measured, round(peak, 1), projected))
+    for row, record, measured, peak, projected in side_by_side:
+        assert record == measured, f"MEASURED misquotes the record at {row}: {side_by_side}"
+        assert peak == projected, f"the projection moved at {row}: {side_by_side}"
+        assert abs(peak - measured) <= TOLERANCE * measured, f"off by more than {TOLERANCE:.0%}: {side_by_side}"
+
+
+def memory_row(script, argv: list[str], max_model_len: int | None, engine: tuple, free_gib: float, total_gib: float,
+               monkeypatch) -> tuple[str, str, str, dict]:
+    """The row, for a GPU with this much free of this total, as the driver would say."""
+    monkeypatch.setenv(cpu_trainer.GPU_MEMORY_ENV, f"{free_gib},{total_gib}")
+    args = script.parse_args(argv)
+    pf = script.Preflight()
+    facts = script.check_trainer_memory(args, pf, script.trainer_shape(args), {"max_model_len": max_model_len},
+                                        engine)
+    (check, status, detail, fix), = pf.rows
+    assert check == "trainer memory"
+    return status, detail, fix, facts
+
+
+def test_a_trainer_too_large_for_its_gpu_is_refused_before_any_rollout_with_the_flags_that_fit(make_rig, tmp_path):
+    # A 65,536-token context: TRL packs rows up to it, so that is the row the trainer must hold (~0.3 GiB for the tiny
+    # model), on a GPU with 0.6 GiB free, 0.5 of which the row keeps outside torch's allocator.
+    engine = make_rig("--max-model-len", "65536", harbor=False)
+    proc = run_main([*engine.base_args(), "--harbor-url", f"http://127.0.0.1:{free_port()}", "--tasks", "coin",
+                     "--check"], cwd=tmp_path, AGH_RIG_GPU_MEMORY="0.6,80")
+    refused_with(proc, "trainer memory", "error: projected peak", "serve vLLM with --max-model-len",
+                 "--agent-step-limit 30")
+    status, detail = table(proc.stdout)["trainer memory"]
+    assert re.match(r"projected peak 0\.\d GiB for a 65,536-token row .*> \d+\.\d MiB the trainer may use on "
+                    r"cuda:0 \(0\.6 GiB free of 80\.0 GiB; 0\.5 GiB left for what torch's allocator does not count\): "
+                    r"training would run out of GPU memory at its first step, after a group of paid rollouts$",
+                    detail), detail
+    tokens = int(re.search(r"serve vLLM with --max-model-len (\d+) \(TRL's token budget\) and pass --agent-step-limit "
+                           r"30, so a rollout of 256-token turns still fits", proc.stderr)[1])
+    assert tokens % 1024 == 0 and 1500 + 256 <= tokens < 65536, tokens
+    assert "--gpu-memory-utilization" not in proc.stdout, "vLLM has its own GPU here: its share is not the cause"
+    # This row's memory is activations: LoRA would not fit it either, so it is not offered.
+    assert "--use-peft" not in proc.stderr
+
+
+def test_a_trainer_that_fits_passes_and_without_a_gpu_the_projection_is_still_printed(rig, tmp_path):
+    args = [*rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--check"]
+    proc = run_main(args, cwd=tmp_path, AGH_RIG_GPU_MEMORY="70,80")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status, detail = table(proc.stdout)["trainer memory"]
+    assert status == "PASS" and re.search(
+        r"^projected peak \d+\.\d MiB for a 1,600-token row \(TRL packs rollouts up to its token budget, here vLLM's "
+        r"max_model_len\), full fine-tune, float32 weights: .*; fits 69\.5 GiB the trainer may use on cuda:0 \(70\.0 "
+        r"GiB free of 80\.0 GiB; 0\.5 GiB left for what torch's allocator does not count\), 69\.\d GiB to spare$",
+        detail), detail
+    assert "capped" not in detail, "vLLM does not share this GPU: nothing to cap"
+    proc = run_main(args, cwd=tmp_path)
+    status, detail = table(proc.stdout)["trainer memory"]
+    assert status == "SKIP" and detail.startswith("projected peak ") and detail.endswith(
+        "; no GPU to compare against (the trainer runs on CPU)"), detail
+
+
+def test_on_a_gpu_vllm_shares_the_trainer_may_use_only_what_vllm_leaves_and_is_capped_there(script, qwen3,
+                                                                                          monkeypatch):
+    # Qwen3-4B, float32 full fine-tune, 32k rows (68.4 GiB) on one H200 beside vLLM. vLLM sized itself to 0.35 of the
+    # card, but holds less right now: the trainer still may not take vLLM's share.
+    model = ["--model", str(qwen3["4b"])]
+    status, detail, _, facts = memory_row(script, model, 32768, ("ipc", 0.35), 100, 140, monkeypatch)
+    assert status == "PASS", detail
+    assert ("fits 90.5 GiB the trainer may use on cuda:0 (100.0 GiB free of 140.0 GiB; vLLM shares this GPU and sized "
+            "itself to --gpu-memory-utilization 0.35 x 140.0 GiB = 49.0 GiB; 0.5 GiB left") in detail, detail
+    assert facts == {"gpu_memory_fraction": pytest.approx(90.5 / 140)}
+    assert "capped there at train start (torch.cuda.set_per_process_memory_fraction 0.646), so it never grows into " \
+           "vLLM's share" in detail
+    # vLLM at 0.6: 55.5 GiB left, less than the static 61 GiB; no row length helps, a lower share or LoRA does.
+    status, detail, fix, facts = memory_row(script, model, 32768, ("ipc", 0.6), 55, 140, monkeypatch)
+    assert status == "FAIL" and facts == {}, detail
+    assert "serve vLLM with --max-model-len" not in fix, fix
+    # ... as low as vLLM can go: its bf16 weights, one 32k sequence's KV cache and its buffers.
+    lower = re.search(r"restart vLLM with --gpu-memory-utilization (0\.\d\d) \(now 0\.6; it needs 0\.09 at the least: "
+                      r"13\.1 GiB for its weights, one 32,768-token sequence's KV cache and its buffers\)", fix)
+    assert lower and "--use-peft (LoRA r 16 on a bfloat16 base: " in fix, fix
+    # Each fix, applied, passes.
+    share = float(lower[1])
+    assert memory_row(script, model, 32768, ("ipc", share), 140 * (1 - share), 140, monkeypatch)[0] == "PASS"
+    assert memory_row(script, [*model, "--use-peft"], 32768, ("ipc", 0.6), 55, 140, monkeypatch)[0] == "PASS"
+    # On an 80 GB card the share that would fit the trainer leaves vLLM less than its own weights need: not offered.
+    status, detail, fix, _ = memory_row(script, model, 16384, ("ipc", 0.35), 51.3, 79.6, monkeypatch)
+    assert status == "FAIL" and "--gpu-memory-utilization" not in fix and "--use-peft" in fix, fix
+
+
+@pytest.mark.parametrize("budget", [[], ["--token-budget", "32768"]])
+def test_the_row_length_it_names_passes_when_applied(script, qwen3, monkeypatch, budget):
+    # Qwen3-32B LoRA at 32k rows (96.3 GiB) beside vLLM at 0.35 of an H200: only a shorter row fits.
+    model = ["--model", str(qwen3["32b"]), "--use-peft", *budget]
+    status, detail, fix, _ = memory_row(script, model, 32768, ("ipc", 0.35), 90, 140.4, monkeypatch)
+    assert status == "FAIL", detail
+    flag = "--token-budget" if budget else "serve vLLM with --max-model-len"
+    tokens, steps = map(int, re.search(rf"{flag} (\d+)(?: \(TRL's token budget\))? and pass --agent-step-limit "
+                                       rf"(\d+), so a rollout of 1024-token turns still fits", fix).groups())
+    assert steps * 1024 + script.PROMPT_TOKENS <= tokens < 32768
+    shorter = ["--model", str(qwen3["32b"]), "--use-peft", *(["--token-budget", str(tokens)] if budget else [])]
+    assert memory_row(script, shorter, tokens if not budget else 32768, ("ipc", 0.35), 90, 140.4,
+                      monkeypatch)[0] == "PASS"
+
+
+def test_until_vllm_answers_the_static_part_alone_is_judged(script, qwen3, monkeypatch):
+    model = ["--model", str(qwen3["4b"])]
+    status, detail, _, _ = memory_row(script, model, None, (None, None), 139, 140, monkeypatch)
+    assert status == "SKIP" and "the static part alone" in detail and "once vLLM answers" in detail, detail
+    status, detail, fix, _ = memory_row(script, model, None, (None, None), 40, 80, monkeypatch)
+    assert status == "FAIL" and "--use-peft" in fix, (detail, fix)
+
+
+# The README's table, cell by cell: what the row says for those flags on that card beside vLLM.
+TRAINING = {"full, float32": ([], "float32"), "LoRA r16, PEFT's default modules (q_proj v_proj)": (["--use-peft"],
+            "r16-default"), "LoRA r16, all-linear": (["--use-peft", "--lora-target-modules", "all-linear"],
+                                                     "r16-all-linear")}
+CARDS_MIB = {"H200": 143771, "H100 80GB": 81559}  # nvidia-smi's total memory
+CUDA_CONTEXT_GIB = 0.5  # the trainer's own, taken before the row reads free memory
+
+
+def test_the_readme_table_of_what_fits_one_card_is_what_the_row_says(script, qwen3, monkeypatch):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### What fits on one card", 1)[1]
+    grid = section[section.index("\n| model |"):].split("\n\n", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in grid.splitlines()
+            if line.startswith("| Qwen3-")]
+    assert len(rows) >= 8, section
+    statuses = set()
+    for model, training, tokens, card, may_use, projected, status, measured, tok_s, steps_h in rows:
+        flags, what = TRAINING[training]
+        name, share = card.rsplit(", ", 1)
+        total = CARDS_MIB[name] / 1024
+        row, utilisation = int(tokens.replace(",", "")), float(share)
+        shape = model.removeprefix("Qwen3-").lower()
+        got, detail, _, _ = memory_row(script, ["--model", str(qwen3[shape]), *flags], row, ("ipc", utilisation),
+                                       (1 - utilisation) * total - CUDA_CONTEXT_GIB, total, monkeypatch)
+        parts = script.trainer_peak(script.trainer_shape(script.parse_args(["--model", str(qwen3[shape]), *flags])),
+                                    row)
+        peak, push = sum(parts.values()) / GIB, parts["push staging"] / GIB
+        cells = f"{peak:.1f} ({peak - push:.1f} + {push:.1f} push)"
+        assert (projected, status) == (cells, got), (model, training, tokens, card, detail)
+        assert f"{may_use} GiB the trainer may use" in detail, (model, training, tokens, card, detail)
+        assert measured == ("not measured" if measured == "not measured" else f"{recorded(shape, what, row)}"), \
+            (model, training, tokens, measured)
+        statuses.add(got)
+    assert statuses == {"PASS", "WARN", "FAIL"}, "the table shows each verdict"
