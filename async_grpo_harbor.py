@@ -7,8 +7,13 @@
 #     "kernels>=0.17.2,<0.19",
 #     "openenv[harbor]==0.10.0",
 #     "vllm==0.29.0",
-#     "transformers",
-#     "torch",
+#     # Exact: the script overrides private code of these (transformers' Trainer get_batch_samples, _get_output_dir,
+#     # _save_checkpoint and _inner_training_loop; accelerate's dataloader _get_iterator and base_dataloader; torch's
+#     # _get_default_group). vllm 0.29.0 pins this torch. tests/envs.sh installs every exact pin of this list, vllm
+#     # aside, into the test environment (tests/test_packaging.py).
+#     "transformers==5.24.0",
+#     "accelerate==1.15.0",
+#     "torch==2.13.0",
 #     "e2b",
 #     "trackio",
 # ]

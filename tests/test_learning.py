@@ -21,13 +21,19 @@ groups of 4, one group per optimizer step (--token-budget 0 --per-device-train-b
 --micro-batches-per-step 1), and zero-variance groups trained rather than kept out (--max-zero-variance-groups 0):
 once the policy solves the task, a group that fails once becomes rare, and the trainer would wait for it.
 
-The bound: the rollouts folded into the last LAST_STEPS optimizer steps (those that finished since the step before),
-and any that finished after the last one, are n draws; the test asserts at least k solves, the fewest a policy still
-at its starting rate of 1/4 reaches with probability < 1e-3 (`chance_bound`): n = 12 gives k = 9 (75%), at a chance
-of 3.9e-4. The engine samples with a fixed seed, so the early draws repeat from run to run. Measured on the rig
-(bench/results/2026-12-02-cpu-learning.*): 1/9 solved at step 1, 12/12 over the last 3 of 6 steps, the model's
-probability of `fox` 0.25 -> 0.95. The control, AGH_LEARNING_RATE=0 (the same run with --learning-rate 0), stays at
-0.25 and fails the bound (3/12).
+Two assertions, each failing on a policy pushed the wrong way or not at all. The model's probability of `fox`, as the
+engine computed it under each weight version it served (noise-free: the candidates' probabilities, not a draw), must
+end above 0.6 and above where it started. And the solve rate: the rollouts folded into the last LAST_STEPS optimizer
+steps (those that finished since the step before), and any that finished after the last one, are n draws; the test
+asserts at least k solves, the fewest a policy still at its starting rate of 1/4 reaches with probability < 1e-3
+(`chance_bound`): n = 12 gives k = 9 (75%), at a chance of 3.9e-4. The engine samples with a fixed seed, so the early
+draws repeat from run to run. Measured on the rig (bench/results/2026-12-02-cpu-learning.*): 1/9 solved at step 1,
+12/12 over the last 3 of 6 steps, the model's probability of `fox` 0.25 -> 0.95.
+
+The control is in the suite too: the same run at --learning-rate 0, CONTROL_STEPS steps, with the default
+zero-variance keep-out. Every weight version it pushes must leave the probability at exactly 1/4: a rise in the
+learning run comes from the updates, nothing else (not the engine's sampling, not the pushes themselves).
+AGH_LEARNING_RATE=0 runs the learning run itself at learning rate 0, which must fail both assertions.
 """
 
 from __future__ import annotations
@@ -36,12 +42,13 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import POLICY, RIG, Rig, log_history, run_script
+from conftest import POLICY, RIG, SERVED_NAME, Rig, log_history, post_json, run_script
 
 TASK = "choose"
 ANSWERS = POLICY["choices"][TASK]
@@ -49,6 +56,8 @@ RIGHT = "fox"  # what tests/rig/tasks/choose/tests/test.sh rewards
 LEARNING_RATE = os.environ.get("AGH_LEARNING_RATE", "5e-3")  # "0": the control, which must fail
 STEPS = 6
 LAST_STEPS = 3
+CONTROL_STEPS = 2
+RISEN = 0.6  # where the right answer's probability must end: chance is 0.25
 GROUP = 4
 CHANCE = 1 / len(ANSWERS)
 TAIL = 1e-3
@@ -61,11 +70,37 @@ def chance_bound(n: int, p: float = CHANCE, tail: float = TAIL) -> int:
     return next(k for k in range(n + 1) if at_least(k) < tail)
 
 
-def learning_args(rig: Rig, out: Path, lr: str = LEARNING_RATE, steps: int = STEPS) -> list[str]:
+def learning_args(rig: Rig, out: Path, lr: str = LEARNING_RATE, steps: int = STEPS,
+                  keep_out: bool = False) -> list[str]:
+    """keep_out: zero-variance groups kept out of training, the script's default."""
     return [*rig.base_args(), "--tasks", TASK, "--num-generations", str(GROUP), "--max-inflight", str(GROUP),
             "--learning-rate", lr, "--max-steps", str(steps), "--save-steps", str(steps),
             "--token-budget", "0", "--per-device-train-batch-size", str(GROUP), "--micro-batches-per-step", "1",
-            "--max-zero-variance-groups", "0", "--output-dir", str(out)]
+            *([] if keep_out else ["--max-zero-variance-groups", "0"]), "--output-dir", str(out)]
+
+
+def right_answer_probability(choices: list[dict]) -> dict[int, float]:
+    """weight version -> the model's probability of the right answer, as the engine computed it under that version
+    (every choice under one version has the same candidates' probabilities: one prompt, one set of weights)."""
+    right = ANSWERS.index(RIGHT)
+    by_version: dict[int, float] = {}
+    for c in choices:
+        by_version.setdefault(c["weight_version"], c["choice"]["probs"][right])
+    return by_version
+
+
+BASH_TOOL = {"type": "function", "function": {
+    "name": "bash", "description": "Run a command.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+
+
+def choice_under_the_served_weights(rig: Rig) -> dict:
+    """The engine's choice record for one greedy first turn of the task, under the weights it serves now (the last
+    push): the candidates' probabilities whether or not a rollout of the run sampled after that push."""
+    post_json(f"{rig.engine_url}/v1/chat/completions", {
+        "model": SERVED_NAME, "messages": [{"role": "user", "content": f"rig-task: {TASK}"}], "tools": [BASH_TOOL],
+        "temperature": 0.0}, timeout=120)
+    return rig.engine_stats()["chat"][-1]
 
 
 def build_choice_model(cache: Path) -> Path:
@@ -110,6 +145,20 @@ def learning_run(choice_model, tmp_path_factory):
     return proc, work / "out", choices
 
 
+@pytest.fixture(scope="module")
+def control_run(choice_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("control")
+    rig = Rig(work / "rig", choice_model, [])
+    try:
+        proc = run_script(learning_args(rig, work / "out", lr="0", steps=CONTROL_STEPS, keep_out=True), cwd=work)
+        choices = [c for c in rig.engine_stats()["chat"] if c["choice"]]
+        if proc.returncode == 0:
+            choices.append(choice_under_the_served_weights(rig))
+    finally:
+        rig.stop()
+    return proc, work / "out", choices
+
+
 def test_the_policys_choice_starts_at_chance(learning_run):
     _, _, choices = learning_run
     first = min(c["weight_version"] for c in choices)
@@ -119,19 +168,43 @@ def test_the_policys_choice_starts_at_chance(learning_run):
     assert {c["choice"]["answers"] == ANSWERS for c in choices} == {True}
 
 
+def test_the_right_answer_grows_likelier(learning_run):
+    proc, _, choices = learning_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_version = right_answer_probability(choices)
+    print(f"the model's probability of {RIGHT!r} per weight version:",
+          {v: round(p, 3) for v, p in sorted(by_version.items())})
+    first, last = by_version[min(by_version)], by_version[max(by_version)]
+    assert max(by_version) > min(by_version), "every choice was made under one weight version: no push landed"
+    assert last > RISEN and last > first, (f"the probability of {RIGHT!r} went {first:.3f} -> {last:.3f} (weight "
+                                           f"versions {min(by_version)} -> {max(by_version)}); it must end above "
+                                           f"{RISEN} and above where it started")
+
+
+def test_at_learning_rate_0_no_push_moves_the_right_answers_probability(control_run):
+    proc, out, choices = control_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [e["step"] for e in log_history(out)] == list(range(1, CONTROL_STEPS + 1))
+    versions = sorted({c["weight_version"] for c in choices})
+    # The first rollouts' version and the last push's (read after the run, by the same engine): each push landed.
+    assert len(versions) >= 2, versions
+    moved = [(c["weight_version"], c["choice"]["probs"]) for c in choices
+             if c["choice"]["probs"] != pytest.approx([CHANCE] * len(ANSWERS), abs=1e-6)]
+    assert not moved, moved
+    # The default keep-out was on: every zero-variance group was kept out, none trained.
+    logged = log_history(out)
+    assert sum(e.get("harbor/not_trained/zero_variance_groups_total", 0) for e in logged) == \
+        sum(e.get("harbor/zero_variance_groups_total", 0) for e in logged)
+    assert re.search(r"zero-variance groups\s+kept out", proc.stdout), "the hyper-parameter table's row"
+
+
 def test_solve_rate_rises_well_beyond_chance(learning_run):
     proc, out, choices = learning_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps, after = solve_rates_per_step(out)
     assert len(steps) == STEPS
-    right = ANSWERS.index(RIGHT)
-    by_version = {}
-    for c in choices:
-        by_version.setdefault(c["weight_version"], c["choice"]["probs"][right])
     print("solve rate per step:", " ".join(f"{solved(s)}/{len(s)}" for s in steps), f"after: {solved(after)}/"
-          f"{len(after)}; the model's probability of {RIGHT!r} per weight version:",
-          {v: round(p, 3) for v, p in sorted(by_version.items())})
-    assert max(by_version) > min(by_version), "every choice was made under one weight version: no push landed"
+          f"{len(after)}")
     last = [r for s in steps[-LAST_STEPS:] for r in s] + after
     assert all(r["error"] is None for r in last), [r["failure"] for r in last if r["error"]]
     # n >= 12 draws, so the bound means "well beyond chance": at least 9 of 12 (75%), 11 of 16, 12 of 20.

@@ -68,6 +68,44 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+# Libraries whose private code the script calls or overrides (TRL's experimental trainer, transformers' Trainer
+# internals, accelerate's dataloader, torch's default process group): any release may change that code under it.
+PRIVATE_CODE_OVERRIDDEN = {"trl", "transformers", "accelerate", "torch"}
+# Pinned in the header but not installed by the rig: CUDA-only (tests/envs.sh leaves it out).
+NOT_IN_THE_RIG = {"vllm"}
+
+
+def header_dependencies() -> list[str]:
+    """The script's PEP 723 `dependencies`, read the way the PEP's reference implementation reads its block."""
+    block = re.search(r"(?m)^# /// script$\s(?P<content>(^#(| .*)$\s)+)^# ///$", SCRIPT.read_text())
+    content = "".join(line[2:] if line.startswith("# ") else line[1:]
+                      for line in block["content"].splitlines(keepends=True))
+    return tomllib.loads(content)["dependencies"]
+
+
+def exact_pins(requirements: list[str]) -> dict[str, str]:
+    """name -> version of each `name==version` (extras ignored) among requirement lines."""
+    pins = {}
+    for line in requirements:
+        if m := re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?==([^\s;#]+)", line.split("#")[0].strip()):
+            pins[canonical(m[1])] = m[2]
+    return pins
+
+
+def test_the_test_environment_runs_the_versions_the_header_pins():
+    pins = exact_pins(header_dependencies())
+    assert PRIVATE_CODE_OVERRIDDEN <= set(pins), f"not pinned exactly: {PRIVATE_CODE_OVERRIDDEN - set(pins)}"
+    # tests/envs.sh installs the header's pins: the suite tests the versions `uv run` installs for a user.
+    wanted = {name: version for name, version in pins.items() if name not in NOT_IN_THE_RIG}
+    installed = {name: importlib.metadata.version(name).split("+")[0] for name in wanted}  # 2.13.0+cpu is 2.13.0
+    assert installed == wanted, f"the header pins {wanted}, the test environment has {installed}"
+    # One place: the test requirements list none of them again, so the two cannot drift apart.
+    listed = (SCRIPT.parent / "tests" / "requirements-trainer.txt").read_text().splitlines()
+    again = {canonical(re.split(r"[\[=<>!~;\s]", line.strip(), 1)[0]) for line in listed
+             if line.strip() and not line.startswith("#")} & set(pins)
+    assert not again, f"tests/requirements-trainer.txt lists {again}, pinned in the script's header"
+
+
 @functools.cache
 def script_help() -> subprocess.CompletedProcess:
     """`async_grpo_harbor.py --help`, run once for the tests that read it."""
