@@ -1,6 +1,6 @@
 """CPU stand-ins for the parts of TRL's async GRPO that cannot run on this machine (no GPU, no vLLM, no hub).
 
-Only four things are replaced; everything else of TRL runs for real:
+Only five things are replaced; everything else of TRL runs for real:
 
 (a) `packing._flash_attn` -- the tree attention kernel (`kernels` hub download of FA3, CUDA only) -> `SDPA_VARLEN`,
     an SDPA implementation of `flash_attn_varlen_func` with the same semantics (per-segment varlen attention,
@@ -15,6 +15,12 @@ Only four things are replaced; everything else of TRL runs for real:
     the (name, tensor) stream and POSTs `safetensors.torch.save(state_dict)` to `{server_url}/stand_in/load_weights`.
     The HTTP control calls (wait_for_server_ready, get_dtype + its dtype-mismatch warning, pause/resume,
     start_weight_update, finish_weight_update) are the real `VLLMClient` ones.
+(e) CUDA IPC, for the script's `ipc` backend (`CudaIpcWeightTransfer`), on a torch without CUDA: `reduce_tensor` of a
+    CPU tensor returns the 15 arguments of torch's `rebuild_cuda_tensor` in their places, its "cudaIpcMemHandle" the
+    path of a file holding the storage's bytes, removed when the storage is freed (as CUDA IPC memory is not the
+    consumer's to read once the producer frees it); `torch.cuda.get_device_properties` answers one "GPU" of uuid
+    `RIG_GPU_UUID`; `torch.cuda.synchronize` and `ipc_collect` have nothing to wait for. The engine stand-in
+    (`tests/rig/engine.py --weight-transfer-config '{"backend":"ipc"}'`) rebuilds them as vLLM's receive path does.
 
 `install()` is idempotent. It patches modules already imported and registers an import hook for the others, so it
 is cheap to call at interpreter start (see `tests/rig/sitecustomize/sitecustomize.py`, active when AGH_CPU_RIG=1).
@@ -26,8 +32,12 @@ import contextlib
 import importlib.abc
 import logging
 import math
+import os
 import sys
+import tempfile
 import time
+import uuid
+import weakref
 from collections import Counter
 from types import SimpleNamespace
 
@@ -234,6 +244,53 @@ def _patch_weight_transfer(module) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# (e) CUDA IPC on CPU
+# --------------------------------------------------------------------------------------------------------------------
+RIG_GPU_UUID = "5a1e0000-0000-4000-8000-00000000c0de"  # the rig's one "physical GPU": the trainer's and the engine's
+_RIG_GPU = SimpleNamespace(uuid=RIG_GPU_UUID, name="CPU rig")
+
+
+def _share_cpu_tensor(tensor):
+    """What torch's reduce_tensor returns for a CUDA tensor, for a CPU one: (rebuild_cuda_tensor, its args)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    storage = tensor.untyped_storage()
+    path = os.path.join(tempfile.gettempdir(), f"agh-rig-ipc-{os.getpid()}-{uuid.uuid4().hex}")
+    with open(path, "wb") as f:
+        f.write(bytes(storage))
+    weakref.finalize(storage, _unlink, path)
+    return (rebuild_cuda_tensor,
+            (type(tensor), tensor.size(), tensor.stride(), tensor.storage_offset(), type(tensor._typed_storage()),
+             tensor.dtype, 0, path.encode(), storage.nbytes(), 0, tensor.requires_grad, b"", 0, b"", False))
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _patch_reductions(module) -> None:
+    # Patched once the package has registered the original with multiprocessing's pickler (init_reductions), so
+    # tensors that cross process boundaries through queues (TRL's rollout child) still travel as torch sends them.
+    reductions = module.reductions
+    original = getattr(reductions.reduce_tensor, "_agh_original", reductions.reduce_tensor)
+
+    def reduce_tensor(tensor):
+        return _share_cpu_tensor(tensor) if tensor.device.type == "cpu" else original(tensor)
+
+    reduce_tensor._agh_original = original
+    reductions.reduce_tensor = reduce_tensor
+
+
+def _patch_cuda(module) -> None:
+    if module.is_available():
+        return
+    module.get_device_properties = lambda device=None: _RIG_GPU
+    module.synchronize = lambda device=None: None
+    module.ipc_collect = lambda: None
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # installation
 # --------------------------------------------------------------------------------------------------------------------
 _PKG = "trl.experimental.async_grpo"
@@ -242,6 +299,8 @@ _PATCHES = {
     f"{_PKG}.async_grpo_trainer": _patch_trainer,
     f"{_PKG}.async_rollout_worker": _patch_rollout_worker,
     f"{_PKG}.weight_transfer": _patch_weight_transfer,
+    "torch.multiprocessing": _patch_reductions,
+    "torch.cuda": _patch_cuda,
 }
 # Offline GPU runs (tests/gpu, AGH_CPU_RIG=attention) stand in for the hub-fetched kernel alone: vLLM, NCCL and CUDA
 # are real there.
