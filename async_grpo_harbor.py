@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import contextlib
 import csv
@@ -75,10 +76,12 @@ import dataclasses
 import difflib
 import functools
 import http.client
+import ipaddress
 import json
 import math
 import multiprocessing
 import os
+import pickle
 import queue
 import re
 import secrets
@@ -126,6 +129,8 @@ from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, packing  # noqa: E402
 from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params  # noqa: E402
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop  # noqa: E402
+from trl.experimental.async_grpo.vllm_client import VLLMClient  # noqa: E402
+from trl.experimental.async_grpo.weight_transfer import WeightTransferClient  # noqa: E402
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
@@ -238,7 +243,9 @@ class HarborGRPOConfig(AsyncGRPOConfig):
 
     _argument_group_name = "training (AsyncGRPOConfig, this script's defaults; --help-all: every field)"
     vllm_url: str = arg("http://localhost:8000",
-                        "Base URL of `vllm serve` (no /v1). The trainer pushes weights there over NCCL.")
+                        "Base URL of `vllm serve` (no /v1). The trainer pushes weights there, over the backend of "
+                        "vLLM's --weight-transfer-config: nccl (vLLM on its own GPU) or ipc (vLLM on the trainer's "
+                        "GPU, served on 127.0.0.1 only).")
     dtype: str = arg(
         "float32", "The trainer's weights and AdamW state (TRL's AsyncGRPOConfig.dtype; GPUs compute under bf16 "
                    "autocast either way). float32: every update lands, at 16 B/param (weights, gradients, two "
@@ -1304,10 +1311,10 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
     # vLLM's resolved config, behind VLLM_SERVER_DEV_MODE like the weight-sync routes: where it answers, it says what
     # a probe can only infer (TRL reads the served dtype from it too).
     try:
-        config = http_json(f"{args.vllm_url}/server_info?config_format=json")["vllm_config"]
-        model_config = config["model_config"]
+        info = http_json(f"{args.vllm_url}/server_info?config_format=json")
+        config, model_config = info["vllm_config"], info["vllm_config"]["model_config"]
     except (OSError, ValueError, KeyError, TypeError):
-        config, model_config = None, {}
+        info, config, model_config = {}, None, {}
 
     report = validate_llm(args.vllm_url, served["id"], timeout=60.0)
     check_capture_tier(pf, report, model_config.get("logprobs_mode"))
@@ -1325,12 +1332,21 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
                "restart vLLM with VLLM_SERVER_DEV_MODE=1 in its environment")
         pf.add("dtype", SKIP, "vLLM's dev endpoints are off, so its dtype cannot be read")
     else:
+        # The one place the backend is decided: vLLM's own --weight-transfer-config (build_trainer follows it).
         transfer = config.get("weight_transfer_config")
-        if transfer:
-            pf.add("weight transfer", PASS, f"enabled ({transfer.get('backend', '?')})")
-        else:
+        served["weight_transfer"] = backend = (transfer or {}).get("backend")
+        if not transfer:
             pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push weights",
                    "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}'")
+        elif backend == "ipc":
+            check_ipc_engine(args, pf, info.get("vllm_env") or {})
+        elif backend == "nccl":
+            pf.add("weight transfer", PASS, f"enabled ({backend})")
+        else:
+            pf.add("weight transfer", FAIL, f"vLLM's weight transfer backend is {backend!r}: this script pushes over "
+                   "nccl (vLLM on a GPU of its own) or ipc (vLLM on the trainer's GPU)",
+                   "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}' (two GPUs) or "
+                   "'{\"backend\":\"ipc\"}' with --host 127.0.0.1 (one GPU, shared)")
         check_dtype(args, pf, str(model_config.get("dtype") or "").removeprefix("torch."))
         if args.use_peft and config.get("lora_config"):
             # TRL would then sync the adapter alone, registered as `trl-policy-vN`, which only its own worker asks
@@ -1357,6 +1373,51 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
                f"fit max_model_len {max_len:,}, with {max_len - worst:,} left for the prompt and command output")
     served["max_model_len"] = max_len
     return served
+
+
+def check_ipc_engine(args: argparse.Namespace, pf: Preflight, vllm_env: dict[str, Any]) -> None:
+    """vLLM's ipc backend unpickles every push (its CUDA-IPC handles): it must be allowed to, be reachable from this
+    host alone, and take its pushes from the one trainer process on its GPU."""
+    if vllm_env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") is False:
+        pf.add("weight transfer", FAIL, "vLLM serves the ipc backend without VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
+               "(its /server_info): it would refuse to unpickle the CUDA-IPC handles of every push",
+               "restart vLLM with VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment and "
+               "--host 127.0.0.1")
+    else:
+        pf.add("weight transfer", PASS, "enabled (ipc): weights pushed as CUDA-IPC handles, vLLM on the trainer's GPU")
+    url, port = urllib.parse.urlsplit(args.vllm_url), url_port(args.vllm_url)
+    listening = [address for address, _ in listening_sockets(port)]
+    danger = "with ipc vLLM unpickles every weight push, so whoever reaches it can run code as vLLM's user"
+    if not is_loopback(url.hostname or ""):
+        pf.add("vLLM on loopback", FAIL, f"--vllm-url {args.vllm_url} is not a loopback address: {danger}",
+               f"serve vLLM with --host 127.0.0.1 and give --vllm-url http://127.0.0.1:{port}")
+    elif exposed := [str(a) for a in listening if not a.is_loopback]:
+        pf.add("vLLM on loopback", FAIL, f"vLLM listens on {exposed[0]} port {port}, beyond this host: {danger}",
+               "restart vLLM with --host 127.0.0.1")
+    elif not listening:
+        pf.add("vLLM on loopback", WARN, f"--vllm-url is loopback, but no socket listening on port {port} is visible "
+               "here (another network namespace?): whether vLLM is reachable beyond this host is unknown",
+               "make sure vLLM runs with --host 127.0.0.1")
+    else:
+        pf.add("vLLM on loopback", PASS, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
+               f"{port} only")
+    if (ranks := int(os.environ.get("WORLD_SIZE", "1"))) > 1:
+        pf.add("trainer ranks", FAIL, f"{ranks} trainer processes (WORLD_SIZE): vLLM's ipc backend takes each push "
+               "from one process on its GPU",
+               "launch one trainer process (python or uv run, not accelerate launch / torchrun), or serve vLLM on a "
+               "GPU of its own with --weight-transfer-config '{\"backend\":\"nccl\"}'")
+
+
+def url_port(url: str) -> int:
+    parts = urllib.parse.urlsplit(url)
+    return parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_capture_tier(pf: Preflight, report: Any, logprobs_mode: str | None) -> None:
@@ -1501,7 +1562,8 @@ def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
                         getattr(text, "intermediate_size", None) or 4 * text.hidden_size)
 
 
-def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> dict[str, Any]:
+def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool,
+                  backend: str | None = None) -> dict[str, Any]:
     """What only the trainer's own machine can tell, before any weights load."""
     facts: dict[str, Any] = {}
     dtype = trainer_dtype(args)
@@ -1573,7 +1635,7 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
                       f"moments); {written} = {human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
         pf.add("checkpoints", WARN if free < peak else PASS, detail,
                "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
-    check_trainer_gpus(pf)
+    check_trainer_gpus(pf, backend, args.vllm_url)
     return facts
 
 
@@ -1602,9 +1664,74 @@ def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
     return apps
 
 
-def check_trainer_gpus(pf: Preflight) -> None:
+def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, str]]:
+    """(address, socket inode) of every TCP socket listening on `port` in this network namespace."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                address, hex_port = fields[1].split(":")
+                if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: TCP_LISTEN
+                    raw = bytes.fromhex(address)  # 32-bit words, each in the kernel's (little-endian) byte order
+                    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                    found.append((getattr(ip, "ipv4_mapped", None) or ip, fields[9]))
+    return found
+
+
+def serving_processes(port: int) -> set[int]:
+    """The processes holding a socket listening on `port`, and all their descendants: vLLM's API server holds the
+    port, its engine core (the process on the GPU) is a child of it."""
+    inodes = {f"socket:[{inode}]" for _, inode in listening_sockets(port)}
+    parents, tree = {}, set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile, or another user's
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                tree.add(int(proc.name))
+    while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
+        tree |= grown
+    return tree
+
+
+def check_same_gpu(pf: Preflight, apps: dict[str, list[tuple[int, str, float]]] | None, vllm_url: str) -> None:
+    """CUDA IPC maps memory of one physical GPU: vLLM must run on the trainer's own, by UUID (indices differ with
+    CUDA_VISIBLE_DEVICES)."""
+    props = torch.cuda.get_device_properties(0)
+    mine = str(props.uuid).lower().removeprefix("gpu-")
+    fix = "start this script with vLLM's GPU visible first: CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>"
+    if apps is None:
+        pf.add("same GPU", WARN, "nvidia-smi is unavailable, so which GPU vLLM runs on is unknown: a push from "
+               "another GPU fails at the first step", fix)
+        return
+    port = url_port(vllm_url)
+    server = serving_processes(port) - {os.getpid()}
+    how = f"the processes serving port {port}"
+    vllm = {uuid: [a for a in procs if a[0] in server] for uuid, procs in apps.items()}
+    if not any(vllm.values()):  # its processes unseen here (another user's, another PID namespace): by name
+        how = "the processes named vllm"
+        vllm = {uuid: [a for a in procs if "vllm" in a[1].lower() and a[0] != os.getpid()]
+                for uuid, procs in apps.items()}
+    vllm = {uuid: procs for uuid, procs in vllm.items() if procs}
+    if mine in vllm:
+        pf.add("same GPU", PASS, f"cuda:0 ({props.name}, GPU-{mine}) is vLLM's GPU ({how}: pid {vllm[mine][0][0]})")
+    elif vllm:
+        theirs = next(iter(vllm))
+        pf.add("same GPU", FAIL, f"vLLM runs on GPU-{theirs} ({how}: pid {vllm[theirs][0][0]}), the trainer on "
+               f"cuda:0 = GPU-{mine}: CUDA IPC reaches only the same physical GPU",
+               f"start this script with CUDA_VISIBLE_DEVICES=GPU-{theirs}")
+    else:
+        pf.add("same GPU", WARN, "no process of vLLM's shows on any GPU here (nvidia-smi), so whether it runs on "
+               f"cuda:0 (GPU-{mine}) is unknown: a push from another GPU fails at the first step", fix)
+
+
+def check_trainer_gpus(pf: Preflight, backend: str | None = None, vllm_url: str = "") -> None:
     if not torch.cuda.is_available():
         pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
+        if backend == "ipc":
+            pf.add("same GPU", SKIP, "no CUDA device visible: CUDA IPC needs the trainer on vLLM's GPU")
         pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
                "(kernels-community/flash-attn3), which has no CPU build")
         return
@@ -1625,7 +1752,11 @@ def check_trainer_gpus(pf: Preflight) -> None:
             shared.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
         else:
             free.append(label)
-    if held:
+    if backend == "ipc":
+        pf.add("trainer GPU", PASS, f"{'; '.join(held + shared) or ', '.join(free) or 'cuda:0'}: shared with vLLM on "
+               "purpose (the ipc backend pushes weights within one card)")
+        check_same_gpu(pf, apps, vllm_url)
+    elif held:
         pf.add("trainer GPU", FAIL, "; ".join(held), fix)
     elif apps is None:
         # No nvidia-smi (or none that answers): memory is all that can be seen, and only for rank 0's own GPU.
@@ -2087,14 +2218,14 @@ def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborSer
     else:
         pf.add("GRPO", PASS, f"{args.num_generations} generations per group, {args.max_inflight} rollouts in flight")
         served = check_engine(args, pf)
-        plan |= check_trainer(args, pf, writable)
+        plan |= check_trainer(args, pf, writable, (served or {}).get("weight_transfer"))
         plan |= check_trainer_memory(args, pf, plan["trainer_shape"], served)
     reachable = check_sandbox_reach(args, pf) if server is not None else True
     if served is None:
         pf.add("Harbor server", SKIP, "not checked: vLLM must answer first (the server samples from it); harness, "
                "sandbox, dataset and task names are checked once it does")
         return plan
-    plan["max_model_len"] = served["max_model_len"]
+    plan["max_model_len"], plan["weight_transfer"] = served["max_model_len"], served.get("weight_transfer")
     if not (writable and reachable and task_spec_ok):
         return plan
     if (found := check_harbor(args, pf, served, server)) is None:
@@ -2787,6 +2918,85 @@ def stop_batch_on_preempt(batches, num_processes: int):
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
+# A push's tensors are handed over in chunks of at most this many bytes (or one larger tensor): the copies among them
+# (merged LoRA weights) are what a push adds to the trainer's peak. vLLM's own IPC trainer stages 1 GiB at a time too.
+IPC_CHUNK_BYTES = 1 << 30
+
+
+class WeightTransferRefused(RuntimeError):
+    """vLLM refused a weight push for a reason fixed where vLLM runs."""
+
+
+class CudaIpcWeightTransfer:
+    """TRL's WeightTransferProtocol over vLLM's `ipc` backend, for vLLM on the trainer's own GPU (where NCCL refuses
+    a second rank): each chunk of tensors is handed over as CUDA-IPC handles in one POST /update_weights, which vLLM
+    maps and loads before it answers. Its control plane is TRL's VLLMClient, called as TRL's WeightTransferClient
+    calls it; nothing here imports vLLM."""
+
+    def __init__(self, vllm_url: str, weight_sync_timeout: float, chunk_bytes: int = IPC_CHUNK_BYTES):
+        self.vllm, self.timeout, self.chunk_bytes = VLLMClient(vllm_url), weight_sync_timeout, chunk_bytes
+
+    def init_weight_transfer(self) -> None:
+        self.vllm.wait_for_server_ready()
+        # The unpacked form, one handle per tensor: its empty init_info is valid for vLLM 0.26 (no fields) and 0.29
+        # (`packed`, false by default), whose packed forms differ.
+        self.vllm.init_weight_transfer_engine({}, timeout=self.timeout)
+
+    def pause(self) -> None:
+        # TRL's own bound for pause, resume and the reload set-up (a private constant of its WeightTransferClient).
+        self.vllm.pause(timeout=WeightTransferClient._CONTROL_TIMEOUT)
+
+    def resume(self) -> None:
+        self.vllm.resume(timeout=WeightTransferClient._CONTROL_TIMEOUT)
+
+    def send_weights(self, iterator) -> None:
+        self.vllm.start_weight_update(timeout=WeightTransferClient._CONTROL_TIMEOUT)
+        try:
+            chunk, size = [], 0
+            for name, tensor in iterator:
+                tensor = tensor.detach().contiguous()  # a parameter goes as it is, zero-copy, in its own dtype
+                if chunk and size + tensor.nbytes > self.chunk_bytes:
+                    self._update(chunk)
+                    chunk, size = [], 0
+                chunk.append((name, tensor))
+                size += tensor.nbytes
+            if chunk:
+                self._update(chunk)
+        except Exception as exc:
+            with contextlib.suppress(Exception):  # best effort, as TRL's client: the error below matters
+                self.vllm.finish_weight_update(timeout=self.timeout)
+            if "VLLM_ALLOW_INSECURE_SERIALIZATION" in str(exc):
+                raise WeightTransferRefused(
+                    "vLLM refused the weight push: its ipc backend unpickles the CUDA-IPC handles only when started "
+                    "with VLLM_ALLOW_INSECURE_SERIALIZATION=1; restart it with VLLM_SERVER_DEV_MODE=1 "
+                    "VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve ... --host 127.0.0.1 --weight-transfer-config "
+                    "'{\"backend\":\"ipc\"}'") from exc
+            if found := re.search(r"IPC handle not found for GPU UUID ([\w-]+)", str(exc)):
+                raise WeightTransferRefused(
+                    f"vLLM runs on another GPU than the trainer ({found[0]}): CUDA IPC reaches only the same "
+                    f"physical GPU; start this script with CUDA_VISIBLE_DEVICES=GPU-"
+                    f"{found[1].lower().removeprefix('gpu-')}") from exc
+            raise RuntimeError(f"weight push to vLLM at {self.vllm.server_url} over CUDA IPC failed: it keeps the "
+                               "weights it loaded so far and stays paused") from exc
+        self.vllm.finish_weight_update(timeout=self.timeout)
+        torch.cuda.ipc_collect()  # frees the copies vLLM held past their chunk's answer
+
+    def _update(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
+        # vLLM reads the memory from its own process: every copy and merge queued on this one must have landed.
+        torch.cuda.synchronize()
+        # vLLM looks each handle up by its own device's str(uuid) and rebuilds it from reduce_tensor's args alone.
+        handles = [{str(torch.cuda.get_device_properties(t.device).uuid):
+                    torch.multiprocessing.reductions.reduce_tensor(t)[1]} for _, t in chunk]
+        # The handles do not keep the memory alive: `chunk` does, until vLLM has answered (it loads before it does).
+        self.vllm.update_weights({
+            "names": [name for name, _ in chunk], "shapes": [list(t.shape) for _, t in chunk],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
+            "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}, timeout=self.timeout)
+
+    def destroy(self) -> None:
+        pass  # nothing to release: no process group, and vLLM keeps no handle past a push
+
+
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
                   plan: dict[str, Any] | None = None):
     class HarborRolloutWorker(HarnessRolloutWorker):
@@ -3007,8 +3217,11 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         max_zero_variance_groups=args.max_zero_variance_groups, groups_per_pass=len(dataset),
         groups_path=str(accounting.groups_path),
     )
+    # vLLM's --weight-transfer-config decided the backend (check_engine); nccl is TRL's own WeightTransferClient.
+    transfer = (CudaIpcWeightTransfer(args.vllm_url, config.weight_sync_timeout)
+                if (plan or {}).get("weight_transfer") == "ipc" else None)
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                                rollout_worker=worker, peft_config=peft_config(args))
+                                rollout_worker=worker, peft_config=peft_config(args), weight_transfer=transfer)
     trainer.add_callback(StopAtStepEnd(trainer))
     if plan and plan.get("eval_tasks"):
         held_out = HeldOutEval(trainer)
@@ -3132,6 +3345,9 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
         trainer.train(resume_from_checkpoint=plan["resume"])
     except Preempted:
         pass  # every rank raised it at the same batch; unwinding ran TRL's cleanup (rollout child, server sessions)
+    except WeightTransferRefused as exc:  # at the first push, before any rollout: nothing to resume
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         cause = str(exc.__cause__ or exc)
         # The step's progress bar (stderr, no newline while it runs) still holds the line the error would join.
