@@ -1332,9 +1332,11 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
                "restart vLLM with VLLM_SERVER_DEV_MODE=1 in its environment")
         pf.add("dtype", SKIP, "vLLM's dev endpoints are off, so its dtype cannot be read")
     else:
-        # The one place the backend is decided: vLLM's own --weight-transfer-config (build_trainer follows it).
+        # The one place the backend is decided: vLLM's own --weight-transfer-config (build_trainer and the
+        # trainer-memory row follow it), with the share of the GPU vLLM sized itself to.
         transfer = config.get("weight_transfer_config")
         served["weight_transfer"] = backend = (transfer or {}).get("backend")
+        served["gpu_memory_utilization"] = (config.get("cache_config") or {}).get("gpu_memory_utilization")
         if not transfer:
             pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push weights",
                    "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}'")
@@ -1888,17 +1890,6 @@ def longest_fitting_row(shape: TrainerShape, limit: int, ranks: int, fsdp: bool,
     return low
 
 
-def engine_memory(args: argparse.Namespace) -> tuple[str | None, float | None]:
-    """vLLM's weight-transfer backend and --gpu-memory-utilization from its /server_info (dev mode); None where it
-    does not say."""
-    try:
-        config = http_json(f"{args.vllm_url}/server_info?config_format=json")["vllm_config"]
-        return ((config.get("weight_transfer_config") or {}).get("backend"),
-                (config.get("cache_config") or {}).get("gpu_memory_utilization"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None, None
-
-
 def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: TrainerShape | None,
                          served: dict[str, Any] | None,
                          engine: tuple[str | None, float | None] | None = None) -> dict[str, Any]:
@@ -1929,7 +1920,8 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
         pf.add(check, SKIP, f"{detail}; no GPU to compare against (the trainer runs on CPU)")
         return {}
     free, total = memory
-    backend, utilisation = engine or (engine_memory(args) if served else (None, None))
+    engine = engine or ((served or {}).get("weight_transfer"), (served or {}).get("gpu_memory_utilization"))
+    backend, utilisation = engine
     shared = backend == "ipc"
     usable = min(free, int(total * (1 - utilisation))) if shared and utilisation else free
     limit = usable - OUTSIDE_ALLOCATOR
