@@ -278,8 +278,9 @@ def test_an_engine_that_dies_mid_rollout_is_never_trained_and_counts_as_a_failur
     rig = make_rig()
     post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "agent_end": {"coin": "die"}})
     out = tmp_path / "out"
+    # An agent timeout the rollouts never reach (they end when the engine dies), whatever the machine's load.
     proc = run_script(train_args(rig, out, "--tasks", "coin", "--max-steps", "1", "--max-consecutive-failures",
-                                 str(GENERATIONS)), cwd=tmp_path, timeout=600)
+                                 str(GENERATIONS), "--agent-timeout", "300"), cwd=tmp_path, timeout=900)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert re.match(rf"error: training stopped: {GENERATIONS} consecutive rollouts were unscorable; the last: "
