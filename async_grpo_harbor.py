@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import contextlib
 import csv
@@ -75,10 +76,12 @@ import dataclasses
 import difflib
 import functools
 import http.client
+import ipaddress
 import json
 import math
 import multiprocessing
 import os
+import pickle
 import queue
 import re
 import secrets
@@ -126,6 +129,8 @@ from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, packing  # noqa: E402
 from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params  # noqa: E402
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop  # noqa: E402
+from trl.experimental.async_grpo.vllm_client import VLLMClient  # noqa: E402
+from trl.experimental.async_grpo.weight_transfer import WeightTransferClient  # noqa: E402
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
@@ -238,7 +243,9 @@ class HarborGRPOConfig(AsyncGRPOConfig):
 
     _argument_group_name = "training (AsyncGRPOConfig, this script's defaults; --help-all: every field)"
     vllm_url: str = arg("http://localhost:8000",
-                        "Base URL of `vllm serve` (no /v1). The trainer pushes weights there over NCCL.")
+                        "Base URL of `vllm serve` (no /v1). The trainer pushes weights there, over the backend of "
+                        "vLLM's --weight-transfer-config: nccl (vLLM on its own GPU) or ipc (vLLM on the trainer's "
+                        "GPU, served on 127.0.0.1 only).")
     dtype: str = arg(
         "float32", "The trainer's weights and AdamW state (TRL's AsyncGRPOConfig.dtype; GPUs compute under bf16 "
                    "autocast either way). float32: every update lands, at 16 B/param (weights, gradients, two "
@@ -470,9 +477,14 @@ def peft_config(args: argparse.Namespace):
     """The LoraConfig of --use-peft, by TRL's own ModelConfig -> get_peft_config; None without it."""
     if not args.use_peft:
         return None
-    return get_peft_config(ModelConfig(
+    config = get_peft_config(ModelConfig(
         model_name_or_path=args.model, use_peft=True, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, lora_target_modules=args.lora_target_modules, use_rslora=args.use_rslora))
+    if args.lora_target_modules and args.lora_target_modules != ["all-linear"]:
+        # ModelConfig turns a list of one name into a string, which PEFT matches as a regex against whole module paths
+        # (`q_proj` would match none); names in a list it matches by suffix.
+        config.target_modules = set(args.lora_target_modules)
+    return config
 
 
 def say(line: str) -> None:
@@ -595,20 +607,29 @@ class Failure(NamedTuple):
 SERVER_GONE = "server_unreachable"
 
 
+# How an agent may end and still be trained at the reward Harbor's verifier gave it (Harbor verifies after any
+# AgentTimeoutError or NonZeroAgentExitCodeError, subclasses included: harbor/trial/single_step.py): the ends the
+# policy brings about itself. It looped until --agent-timeout, or it talked past the context or the output cap, as a
+# completion truncated at --max-completion-length is trained. Every other exception Harbor verified after is the
+# harness or the inference path failing, not the policy: NonZeroAgentExitCodeError's subclasses (ApiError and its
+# kin, NetworkConnectionError, AgentAuthenticationError, ModelNotFoundError, ...), which Harbor picks from the agent's
+# output, and a plain NonZeroAgentExitCodeError, which is how mini-swe-agent (litellm) reaches Harbor when vLLM
+# answers 5xx, drops the connection or is gone (Harbor's patterns do not know litellm's messages; seen on the rig).
+POLICY_EXITS = {"AgentTimeoutError": "timeout", "ContextWindowExceededError": "context_window",
+                "OutputTokenExceededError": "output_tokens"}
+
+
 def agent_exit(r: HarborRolloutResult) -> str | None:
-    """How the agent ended, for a rollout the verifier scored: "ok", or the kind of the agent's failure ("timeout",
-    "nonzero_exit", or a subclass's name such as "api_error"). Harbor records an agent timeout or non-zero exit as the
-    trial's exception and runs the verifier anyway (harbor/trial/single_step.py); OpenEnv then reports ok=False with
-    the exception's type and the reward. Any other exception leaves no reward (the trial stopped before verifying)."""
+    """How the agent ended, for a rollout the verifier scored: "ok", or the POLICY_EXITS kind of its end. None: the
+    rollout is unscorable (an exception without a reward, or one that is not the policy's: `judge_rollout`)."""
     if r.reward is None or not r.exception_type:
         return "ok" if r.ok else None
-    kind = {"AgentTimeoutError": "timeout", "NonZeroAgentExitCodeError": "nonzero_exit"}.get(r.exception_type)
-    return kind or re.sub(r"(?<!^)(?=[A-Z])", "_", r.exception_type).lower()
+    return POLICY_EXITS.get(r.exception_type)
 
 
 def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, reward_key: str) -> Failure | None:
     """Why a finished `run_rollout` cannot be trained on (None: it can). Training, --eval-only and the probe judge
-    every result here. A rollout whose agent timed out or exited non-zero is scored like any other when the verifier
+    every result here. A rollout whose agent ended in one of POLICY_EXITS is scored like any other when the verifier
     scored it and its capture is valid: a policy that loops until --agent-timeout earns its reward, not a pass."""
     if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
         return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
@@ -626,6 +647,9 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
             return Failure("context", f"vLLM refused the agent's first call as too long for its context "
                                       f"({budget[:240]}): the Harbor server's --max-output-tokens (this script's "
                                       "--max-completion-length) plus the task's prompt must fit vLLM's --max-model-len")
+        if r.reward is not None and r.exception_type:
+            return Failure(r.exception_type, f"{r.exception_type}: the agent's harness or its engine failed, so the "
+                                             f"verifier's reward {r.reward:g} is not the policy's: {r.error}")
         return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}")
     if r.rollout_type != "train" and require_tokens:
         return Failure("eval_tier", "the engine returned no token ids / processed logprobs (eval tier): restart vLLM "
@@ -1287,10 +1311,10 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
     # vLLM's resolved config, behind VLLM_SERVER_DEV_MODE like the weight-sync routes: where it answers, it says what
     # a probe can only infer (TRL reads the served dtype from it too).
     try:
-        config = http_json(f"{args.vllm_url}/server_info?config_format=json")["vllm_config"]
-        model_config = config["model_config"]
+        info = http_json(f"{args.vllm_url}/server_info?config_format=json")
+        config, model_config = info["vllm_config"], info["vllm_config"]["model_config"]
     except (OSError, ValueError, KeyError, TypeError):
-        config, model_config = None, {}
+        info, config, model_config = {}, None, {}
 
     report = validate_llm(args.vllm_url, served["id"], timeout=60.0)
     check_capture_tier(pf, report, model_config.get("logprobs_mode"))
@@ -1308,12 +1332,21 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
                "restart vLLM with VLLM_SERVER_DEV_MODE=1 in its environment")
         pf.add("dtype", SKIP, "vLLM's dev endpoints are off, so its dtype cannot be read")
     else:
+        # The one place the backend is decided: vLLM's own --weight-transfer-config (build_trainer follows it).
         transfer = config.get("weight_transfer_config")
-        if transfer:
-            pf.add("weight transfer", PASS, f"enabled ({transfer.get('backend', '?')})")
-        else:
+        served["weight_transfer"] = backend = (transfer or {}).get("backend")
+        if not transfer:
             pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push weights",
                    "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}'")
+        elif backend == "ipc":
+            check_ipc_engine(args, pf, info.get("vllm_env") or {})
+        elif backend == "nccl":
+            pf.add("weight transfer", PASS, f"enabled ({backend})")
+        else:
+            pf.add("weight transfer", FAIL, f"vLLM's weight transfer backend is {backend!r}: this script pushes over "
+                   "nccl (vLLM on a GPU of its own) or ipc (vLLM on the trainer's GPU)",
+                   "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}' (two GPUs) or "
+                   "'{\"backend\":\"ipc\"}' with --host 127.0.0.1 (one GPU, shared)")
         check_dtype(args, pf, str(model_config.get("dtype") or "").removeprefix("torch."))
         if args.use_peft and config.get("lora_config"):
             # TRL would then sync the adapter alone, registered as `trl-policy-vN`, which only its own worker asks
@@ -1340,6 +1373,51 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
                f"fit max_model_len {max_len:,}, with {max_len - worst:,} left for the prompt and command output")
     served["max_model_len"] = max_len
     return served
+
+
+def check_ipc_engine(args: argparse.Namespace, pf: Preflight, vllm_env: dict[str, Any]) -> None:
+    """vLLM's ipc backend unpickles every push (its CUDA-IPC handles): it must be allowed to, be reachable from this
+    host alone, and take its pushes from the one trainer process on its GPU."""
+    if vllm_env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") is False:
+        pf.add("weight transfer", FAIL, "vLLM serves the ipc backend without VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
+               "(its /server_info): it would refuse to unpickle the CUDA-IPC handles of every push",
+               "restart vLLM with VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment and "
+               "--host 127.0.0.1")
+    else:
+        pf.add("weight transfer", PASS, "enabled (ipc): weights pushed as CUDA-IPC handles, vLLM on the trainer's GPU")
+    url, port = urllib.parse.urlsplit(args.vllm_url), url_port(args.vllm_url)
+    listening = [address for address, _ in listening_sockets(port)]
+    danger = "with ipc vLLM unpickles every weight push, so whoever reaches it can run code as vLLM's user"
+    if not is_loopback(url.hostname or ""):
+        pf.add("vLLM on loopback", FAIL, f"--vllm-url {args.vllm_url} is not a loopback address: {danger}",
+               f"serve vLLM with --host 127.0.0.1 and give --vllm-url http://127.0.0.1:{port}")
+    elif exposed := [str(a) for a in listening if not a.is_loopback]:
+        pf.add("vLLM on loopback", FAIL, f"vLLM listens on {exposed[0]} port {port}, beyond this host: {danger}",
+               "restart vLLM with --host 127.0.0.1")
+    elif not listening:
+        pf.add("vLLM on loopback", WARN, f"--vllm-url is loopback, but no socket listening on port {port} is visible "
+               "here (another network namespace?): whether vLLM is reachable beyond this host is unknown",
+               "make sure vLLM runs with --host 127.0.0.1")
+    else:
+        pf.add("vLLM on loopback", PASS, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
+               f"{port} only")
+    if (ranks := int(os.environ.get("WORLD_SIZE", "1"))) > 1:
+        pf.add("trainer ranks", FAIL, f"{ranks} trainer processes (WORLD_SIZE): vLLM's ipc backend takes each push "
+               "from one process on its GPU",
+               "launch one trainer process (python or uv run, not accelerate launch / torchrun), or serve vLLM on a "
+               "GPU of its own with --weight-transfer-config '{\"backend\":\"nccl\"}'")
+
+
+def url_port(url: str) -> int:
+    parts = urllib.parse.urlsplit(url)
+    return parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_capture_tier(pf: Preflight, report: Any, logprobs_mode: str | None) -> None:
@@ -1413,6 +1491,32 @@ def model_shape(model: str) -> tuple[int, str]:
     return params, str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
 
 
+def lora_model(args: argparse.Namespace):
+    """--use-peft's model on the meta device, from --model's config alone (no weights are read): the modules PEFT
+    resolves --lora-target-modules to (its default for the architecture, all-linear), as training will."""
+    from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
+
+    with torch.device("meta"), warnings.catch_warnings():
+        # PEFT's warning about an adapter on tied embeddings: check_trainer refuses them in one line instead.
+        warnings.filterwarnings("ignore", message="Model (has|with) `tie_word_embeddings=True`")
+        return get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
+                              peft_config(args))
+
+
+def tied_lora_targets(model: Any) -> list[str]:
+    """The modules of a PEFT model whose LoRA adapter sits on a weight the model ties to another: its input
+    embeddings and its output head share one tensor, and an adapter on one of them leaves the other at the base."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    pair = [m.get_base_layer() if isinstance(m, LoraLayer) else m
+            for m in (base.get_input_embeddings(), base.get_output_embeddings())]
+    if None in pair or pair[0].weight is not pair[1].weight:
+        return []
+    return [name for name, m in base.named_modules() if isinstance(m, LoraLayer)
+            and m.get_base_layer().weight is pair[0].weight]
+
+
 def model_shape_error(args: argparse.Namespace) -> str | None:
     try:
         model_shape(args.model)
@@ -1448,11 +1552,9 @@ def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
     text = config.get_text_config()
     adapter = adapted = 0
     if args.use_peft:
-        from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
         from peft.tuners.lora import LoraLayer
 
-        with torch.device("meta"):  # no weights are read
-            model = get_peft_model(AutoModelForCausalLM.from_config(config), peft_config(args))
+        model = lora_model(args)
         adapter = model.get_nb_trainable_parameters()[0]
         adapted = sum(m.in_features for m in model.modules() if isinstance(m, LoraLayer)) // text.num_hidden_layers
     return TrainerShape(model_shape(args.model)[0], torch.finfo(getattr(torch, dtype)).bits // 8, adapter, adapted,
@@ -1460,10 +1562,23 @@ def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
                         getattr(text, "intermediate_size", None) or 4 * text.hidden_size)
 
 
-def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> dict[str, Any]:
+def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool,
+                  backend: str | None = None) -> dict[str, Any]:
     """What only the trainer's own machine can tell, before any weights load."""
     facts: dict[str, Any] = {}
     dtype = trainer_dtype(args)
+    lora = None
+    if args.use_peft and model_shape_error(args) is None:
+        try:
+            lora = lora_model(args)
+        except ValueError as exc:  # PEFT's NoMatchingPeftModuleError
+            pf.add("LoRA targets", FAIL, f"--lora-target-modules: {exc}", "name modules of --model, or all-linear")
+    if lora is not None and (tied := tied_lora_targets(lora)):
+        pf.add("LoRA targets", FAIL, f"--lora-target-modules {' '.join(args.lora_target_modules or [])} puts an "
+               f"adapter on {', '.join(tied)}, whose weight {args.model} ties between its input embeddings and its "
+               "output head: the adapter would change one of the two only, and the merged push both",
+               "leave embed_tokens and lm_head out of --lora-target-modules (all-linear does), or train without "
+               "--use-peft")
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and dtype not in (None, "float32"):
         # accelerate's FSDP2 prepare upcasts trainable parameters to float32 after TRL has told vLLM their dtype,
         # so every push would send other bytes than vLLM expects (fsdp_utils: "Upcast to fp32 master weights").
@@ -1494,7 +1609,8 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
         else:
             pf.add("precision", PASS, f"{dtype} weights: AdamW steps of ~{args.learning_rate:g} exceed half the "
                    f"{dtype} spacing at |w| = {typical} ({half_step:.1e})")
-    facts["trainer_shape"] = shape = trainer_shape(args)
+    # A --lora-target-modules that PEFT cannot resolve has its row above and no shape to size.
+    facts["trainer_shape"] = shape = None if args.use_peft and lora is None else trainer_shape(args)
     if (problem := model_shape_error(args)) is not None:
         pf.add("checkpoints", SKIP, f"size unknown: {problem}")
     elif writable and shape is not None:
@@ -1519,7 +1635,7 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool) -> di
                       f"moments); {written} = {human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
         pf.add("checkpoints", WARN if free < peak else PASS, detail,
                "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
-    check_trainer_gpus(pf)
+    check_trainer_gpus(pf, backend, args.vllm_url)
     return facts
 
 
@@ -1548,9 +1664,74 @@ def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
     return apps
 
 
-def check_trainer_gpus(pf: Preflight) -> None:
+def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, str]]:
+    """(address, socket inode) of every TCP socket listening on `port` in this network namespace."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                address, hex_port = fields[1].split(":")
+                if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: TCP_LISTEN
+                    raw = bytes.fromhex(address)  # 32-bit words, each in the kernel's (little-endian) byte order
+                    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                    found.append((getattr(ip, "ipv4_mapped", None) or ip, fields[9]))
+    return found
+
+
+def serving_processes(port: int) -> set[int]:
+    """The processes holding a socket listening on `port`, and all their descendants: vLLM's API server holds the
+    port, its engine core (the process on the GPU) is a child of it."""
+    inodes = {f"socket:[{inode}]" for _, inode in listening_sockets(port)}
+    parents, tree = {}, set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile, or another user's
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                tree.add(int(proc.name))
+    while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
+        tree |= grown
+    return tree
+
+
+def check_same_gpu(pf: Preflight, apps: dict[str, list[tuple[int, str, float]]] | None, vllm_url: str) -> None:
+    """CUDA IPC maps memory of one physical GPU: vLLM must run on the trainer's own, by UUID (indices differ with
+    CUDA_VISIBLE_DEVICES)."""
+    props = torch.cuda.get_device_properties(0)
+    mine = str(props.uuid).lower().removeprefix("gpu-")
+    fix = "start this script with vLLM's GPU visible first: CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>"
+    if apps is None:
+        pf.add("same GPU", WARN, "nvidia-smi is unavailable, so which GPU vLLM runs on is unknown: a push from "
+               "another GPU fails at the first step", fix)
+        return
+    port = url_port(vllm_url)
+    server = serving_processes(port) - {os.getpid()}
+    how = f"the processes serving port {port}"
+    vllm = {uuid: [a for a in procs if a[0] in server] for uuid, procs in apps.items()}
+    if not any(vllm.values()):  # its processes unseen here (another user's, another PID namespace): by name
+        how = "the processes named vllm"
+        vllm = {uuid: [a for a in procs if "vllm" in a[1].lower() and a[0] != os.getpid()]
+                for uuid, procs in apps.items()}
+    vllm = {uuid: procs for uuid, procs in vllm.items() if procs}
+    if mine in vllm:
+        pf.add("same GPU", PASS, f"cuda:0 ({props.name}, GPU-{mine}) is vLLM's GPU ({how}: pid {vllm[mine][0][0]})")
+    elif vllm:
+        theirs = next(iter(vllm))
+        pf.add("same GPU", FAIL, f"vLLM runs on GPU-{theirs} ({how}: pid {vllm[theirs][0][0]}), the trainer on "
+               f"cuda:0 = GPU-{mine}: CUDA IPC reaches only the same physical GPU",
+               f"start this script with CUDA_VISIBLE_DEVICES=GPU-{theirs}")
+    else:
+        pf.add("same GPU", WARN, "no process of vLLM's shows on any GPU here (nvidia-smi), so whether it runs on "
+               f"cuda:0 (GPU-{mine}) is unknown: a push from another GPU fails at the first step", fix)
+
+
+def check_trainer_gpus(pf: Preflight, backend: str | None = None, vllm_url: str = "") -> None:
     if not torch.cuda.is_available():
         pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
+        if backend == "ipc":
+            pf.add("same GPU", SKIP, "no CUDA device visible: CUDA IPC needs the trainer on vLLM's GPU")
         pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
                "(kernels-community/flash-attn3), which has no CPU build")
         return
@@ -1571,7 +1752,11 @@ def check_trainer_gpus(pf: Preflight) -> None:
             shared.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
         else:
             free.append(label)
-    if held:
+    if backend == "ipc":
+        pf.add("trainer GPU", PASS, f"{'; '.join(held + shared) or ', '.join(free) or 'cuda:0'}: shared with vLLM on "
+               "purpose (the ipc backend pushes weights within one card)")
+        check_same_gpu(pf, apps, vllm_url)
+    elif held:
         pf.add("trainer GPU", FAIL, "; ".join(held), fix)
     elif apps is None:
         # No nvidia-smi (or none that answers): memory is all that can be seen, and only for rank 0's own GPU.
@@ -2033,14 +2218,14 @@ def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborSer
     else:
         pf.add("GRPO", PASS, f"{args.num_generations} generations per group, {args.max_inflight} rollouts in flight")
         served = check_engine(args, pf)
-        plan |= check_trainer(args, pf, writable)
+        plan |= check_trainer(args, pf, writable, (served or {}).get("weight_transfer"))
         plan |= check_trainer_memory(args, pf, plan["trainer_shape"], served)
     reachable = check_sandbox_reach(args, pf) if server is not None else True
     if served is None:
         pf.add("Harbor server", SKIP, "not checked: vLLM must answer first (the server samples from it); harness, "
                "sandbox, dataset and task names are checked once it does")
         return plan
-    plan["max_model_len"] = served["max_model_len"]
+    plan["max_model_len"], plan["weight_transfer"] = served["max_model_len"], served.get("weight_transfer")
     if not (writable and reachable and task_spec_ok):
         return plan
     if (found := check_harbor(args, pf, served, server)) is None:
@@ -2129,11 +2314,17 @@ def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | Non
     if checkpoint is not None and args.use_peft and saved.is_file():
         config = json.loads(saved.read_text())
         flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
-        if args.lora_target_modules and args.lora_target_modules != ["all-linear"]:  # PEFT saves all-linear resolved
-            flags["target_modules"] = sorted(args.lora_target_modules)
-            config["target_modules"] = sorted(config.get("target_modules") or [])
         differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
                   if config.get(key) != value]
+        # PEFT saves the modules it resolved its target_modules to (its default for the architecture, all-linear): so
+        # are the flags' compared. Flags that match no module, or an unreadable --model: check_trainer says so.
+        if model_shape_error(args) is None:
+            with contextlib.suppress(ValueError):
+                ours = set(lora_model(args).peft_config["default"].target_modules)
+                theirs = set(config.get("target_modules") or [])
+                if ours != theirs:  # named by kind: all-linear resolves to every layer's modules by path
+                    saved_on, flags_on = (" ".join(sorted({n.split(".")[-1] for n in names})) for names in (theirs, ours))
+                    differ.append(f"target_modules {saved_on} (flags: {flags_on})")
         return (f"{checkpoint} holds an adapter of another shape: {', '.join(differ)}; resume with the run's "
                 "--lora-* flags") if differ else None
     if checkpoint is None or args.use_peft == saved.is_file():
@@ -2376,9 +2567,9 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
     """
 
     def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, groups_per_pass: int,
-                 **loop_kwargs: Any):
+                 groups_path: str = "", **loop_kwargs: Any):
         super().__init__(**loop_kwargs)
-        self.efficiency_weight = efficiency_weight
+        self.efficiency_weight, self.groups_path = efficiency_weight, groups_path
         self.max_zero_variance_groups = max_zero_variance_groups
         self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
         self.passes = PassRate(groups_per_pass)
@@ -2398,8 +2589,11 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
             self._rates["harbor/solve_rate_pass"][1] += scored
         if not rewards:
             self._counters["harbor/not_trained/no_scorable_groups_total"] += 1
+            self.settle(group, "no_scorable")
             return samples  # none scorable, so no samples: --max-consecutive-failures watches these
         zero = zero_variance(rewards)
+        kept_out = zero and self.max_zero_variance_groups > 0
+        self.settle(group, "zero_variance" if kept_out else "samples")
         keys = ["harbor/zero_variance_frac"]
         if self._factory.split_by_harness:
             keys.append(f"harbor/{group.prompts[0][0]['harbor_harness']}/zero_variance_frac")
@@ -2410,7 +2604,6 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         if not zero:
             self.flat_run = []
             return samples
-        kept_out = self.max_zero_variance_groups > 0
         self._counters["harbor/not_trained/zero_variance_groups_total"] += kept_out
         self._factory._say(f"[harbor] group {group.group_id}: zero variance, every scored rollout {rewards[0]:g}: "
                            + ("kept out of training" if kept_out else "trained at advantage 0"))
@@ -2425,6 +2618,17 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
                 "learn from: the tasks are too hard or too easy for the model. Measure pass rates (--eval-only "
                 "--curate) and train on the curated list, or raise --max-zero-variance-groups")
         return []
+
+    def settle(self, group, outcome: str) -> None:
+        """groups.jsonl, one line per scored group: how it was settled, decided here once. `samples` went to the
+        trainer (trained once an optimizer step takes them); `zero_variance` (kept out) and `no_scorable` never will
+        be, and a resume must not run them again (`HarborGRPOTrainer.resume_position` reads them)."""
+        if self.groups_path:
+            task = group.prompts[0][0]
+            record = {"time": time.time(), "group": group.group_id, "visit": self.dataset.visit(group.group_id),
+                      "task": task["harbor_task_name"], "harness": task["harbor_harness"], "outcome": outcome}
+            with open(self.groups_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     async def _run_loops(self, stop_event) -> None:
         try:
@@ -2446,25 +2650,47 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
 
 
 class RolloutAccounting:
-    """What reached the loss, per optimizer step, and where every rollout went, in one line at the end.
+    """What reached the loss, per optimizer step, and where every rollout and group went, in one line at the end.
 
     Produced: TRL's rollout child counts its rollouts and groups onto TRL's metric queue, which TRL's log() drains and
-    reduces by name into each step's log (a `_total` is the step's count). Trained: the collator is the one place that
-    sees a whole micro-batch (every rank's row, each loss token's advantage, each sample's group), and a micro-batch
-    counts once a training step takes it: accelerate collates one ahead, which a stop leaves untrained. Not trained:
-    unscorable rollouts, zero-variance groups kept out, groups with no scorable rollout, and the rest (groups TRL
-    dropped as stale, or still queued, batched or unfinished at the stop; TRL's stale-sample count and the samples
-    left in the queue say which). Counts start at this launch.
+    reduces by name into each step's log (a `_total` is the step's count); it also writes each rollout to
+    rollouts.jsonl and each group it scored, with how it settled it, to groups.jsonl. Trained: the collator is the one
+    place that sees a whole micro-batch (every rank's row, each loss token's advantage, each sample's group), and a
+    micro-batch counts once a training step takes it: accelerate collates one ahead, which a stop leaves untrained.
+    The end-of-run totals count from the two files, which lose nothing (TRL's metric queue drops what it has no room
+    for): every group is trained, kept out for zero variance, without a scorable rollout, or one whose samples no step
+    trained (TRL dropped them as stale, or they were queued, batched or collated at the stop). Counts start at this
+    launch.
     """
 
-    def __init__(self, path: str, num_generations: int):
-        self.path, self.num_generations = Path(path), num_generations
-        self.offset = self.path.stat().st_size if self.path.is_file() else 0  # where this launch's records start
+    def __init__(self, output_dir: str):
+        self.rollouts_path, self.groups_path = (Path(output_dir) / name for name in ("rollouts.jsonl", "groups.jsonl"))
+        # Where this launch's records start: TRL numbers groups from 0 at every launch.
+        self.offsets = {path: path.stat().st_size if path.is_file() else 0
+                        for path in (self.rollouts_path, self.groups_path)}
         self.last = time.monotonic()
         self.trained_groups: set[Any] = set()
         self.collated: collections.deque = collections.deque()  # (samples per group, loss tokens, informative ones)
         self.step_batches: list[tuple[collections.Counter, int, int]] = []
         self.totals: collections.Counter = collections.Counter()
+
+    def launch_records(self, path: Path) -> list[dict[str, Any]]:
+        if not path.is_file():
+            return []
+        with open(path, "rb") as f:
+            f.seek(self.offsets[path])
+            lines = f.read().splitlines()
+        records = []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue  # a line still being written
+        return records
+
+    def settled_groups(self) -> dict[int, str]:
+        """This launch's scored groups and how the rollout child settled each (HarborRolloutLoop.settle)."""
+        return {r["group"]: r["outcome"] for r in self.launch_records(self.groups_path)}
 
     def collate_with(self, collate: Any) -> Any:
         def counted(examples):
@@ -2480,20 +2706,6 @@ class RolloutAccounting:
     def take_microbatch(self) -> None:
         if self.collated:
             self.step_batches.append(self.collated.popleft())
-
-    def unscorable_groups(self) -> set[int]:
-        """This launch's groups whose every rollout failed: they yielded no sample, and a resume that reran them would
-        fail again. Read from rollouts.jsonl because TRL's metric queue carries figures, not which groups they were."""
-        failed = collections.defaultdict(list)
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            for line in f.read().splitlines():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a line still being written
-                failed[record["group"]].append(record["error"] is not None)
-        return {g for g, errors in failed.items() if len(errors) == self.num_generations and all(errors)}
 
     def count(self, metrics: dict[str, Any]) -> None:
         self.totals.update({k: v for k, v in metrics.items() if k.endswith("_total") and isinstance(v, float)})
@@ -2532,21 +2744,25 @@ class RolloutAccounting:
     def finish(self, queued_samples: int, held_out: dict[int, float | None]) -> None:
         """The run's totals, once TRL's rollout child has stopped: produced, trained, and why the rest was not."""
         t = {key: int(n) for key, n in self.totals.items()}
-        groups, trained = t.get("harbor/groups_total", 0), len(self.trained_groups)
-        kept_out = t.get("harbor/not_trained/zero_variance_groups_total", 0)
-        none = t.get("harbor/not_trained/no_scorable_groups_total", 0)
+        rollouts = self.launch_records(self.rollouts_path)
+        errors = collections.Counter(r["error"] for r in rollouts if r["error"] is not None)
+        settled = self.settled_groups()
+        outcomes = collections.Counter(settled.values())
+        with_samples = {g for g, outcome in settled.items() if outcome == "samples"}
+        trained, left = with_samples & self.trained_groups, with_samples - self.trained_groups
 
         def rate(step: int) -> str:
             return f"{'-' if held_out[step] is None else f'{held_out[step]:.2f}'} (step {step})"
 
         signal = (f", {t['informative_tokens'] / t['trained_tokens']:.0%} with a non-zero advantage"
                   if t.get("trained_tokens") else "")
-        say(f"[harbor] rollouts: {t.get('harbor/rollouts_total', 0)} finished, {t.get('harbor/errors_total', 0)} "
-            f"unscorable; groups: {groups} finished, {trained} reached the loss ({t.get('trained_tokens', 0)} "
-            f"tokens{signal}); not trained: {kept_out} zero-variance (kept out), {none} with no scorable rollout, "
-            f"{groups - trained - kept_out - none} dropped as stale or left at the stop "
-            f"({t.get('sample/dropped_stale_total', 0)} stale samples, {queued_samples} samples still queued, "
-            f"{len(self.collated)} micro-batches collated but not trained)"
+        say(f"[harbor] rollouts: {len(rollouts)} finished, {sum(errors.values())} unscorable; groups: "
+            f"{outcomes.total()} finished, {len(trained)} reached the loss ({t.get('trained_tokens', 0)} "
+            f"tokens{signal}); not trained: {outcomes['zero_variance']} zero-variance (kept out), "
+            f"{outcomes['no_scorable']} with no scorable rollout, {len(left)} dropped as stale or left at the stop "
+            f"({t.get('sample/dropped_stale_total', 0)} stale samples, "
+            f"{queued_samples} samples still queued, {len(self.collated)} micro-batches collated but not trained)"
+            + (f"; unscorable: {', '.join(f'{kind} {n}' for kind, n in errors.most_common())}" if errors else "")
             + (f"; held-out pass rate {rate(min(held_out))} -> {rate(max(held_out))}" if held_out else ""))
 
 
@@ -2555,19 +2771,15 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     terminates it: a child cannot exit while items it put on `rollout_buffer` / `metrics_queue` are unread (mp.Queue
     flushes its pipe at exit), and at a preemption those seconds come out of the grace period before the checkpoint
     save. The stop Event is set from a thread: if the child died holding the Event's lock, `set()` never returns.
-    What it drains counts in the run's totals: samples as produced but never trained, metrics as the rollouts and
-    groups that finished after the last step's log."""
+    The samples it drains count in the run's totals as produced but never trained; the run's files hold the rest."""
     proc, t0 = worker._process, time.monotonic()
 
     def drain() -> None:
         for q in (worker.rollout_buffer, worker.metrics_queue):
             try:
                 while True:
-                    item = q.get_nowait()
-                    if q is worker.rollout_buffer:
-                        worker.samples_left_at_stop += 1
-                    else:
-                        worker.metrics_left_at_stop.append(item)
+                    q.get_nowait()
+                    worker.samples_left_at_stop += q is worker.rollout_buffer
             except (queue.Empty, OSError, EOFError, ValueError):
                 pass
 
@@ -2706,20 +2918,97 @@ def stop_batch_on_preempt(batches, num_processes: int):
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
+# A push's tensors are handed over in chunks of at most this many bytes (or one larger tensor): the copies among them
+# (merged LoRA weights) are what a push adds to the trainer's peak. vLLM's own IPC trainer stages 1 GiB at a time too.
+IPC_CHUNK_BYTES = 1 << 30
+
+
+class WeightTransferRefused(RuntimeError):
+    """vLLM refused a weight push for a reason fixed where vLLM runs."""
+
+
+class CudaIpcWeightTransfer:
+    """TRL's WeightTransferProtocol over vLLM's `ipc` backend, for vLLM on the trainer's own GPU (where NCCL refuses
+    a second rank): each chunk of tensors is handed over as CUDA-IPC handles in one POST /update_weights, which vLLM
+    maps and loads before it answers. Its control plane is TRL's VLLMClient, called as TRL's WeightTransferClient
+    calls it; nothing here imports vLLM."""
+
+    def __init__(self, vllm_url: str, weight_sync_timeout: float, chunk_bytes: int = IPC_CHUNK_BYTES):
+        self.vllm, self.timeout, self.chunk_bytes = VLLMClient(vllm_url), weight_sync_timeout, chunk_bytes
+
+    def init_weight_transfer(self) -> None:
+        self.vllm.wait_for_server_ready()
+        # The unpacked form, one handle per tensor: its empty init_info is valid for vLLM 0.26 (no fields) and 0.29
+        # (`packed`, false by default), whose packed forms differ.
+        self.vllm.init_weight_transfer_engine({}, timeout=self.timeout)
+
+    def pause(self) -> None:
+        # TRL's own bound for pause, resume and the reload set-up (a private constant of its WeightTransferClient).
+        self.vllm.pause(timeout=WeightTransferClient._CONTROL_TIMEOUT)
+
+    def resume(self) -> None:
+        self.vllm.resume(timeout=WeightTransferClient._CONTROL_TIMEOUT)
+
+    def send_weights(self, iterator) -> None:
+        self.vllm.start_weight_update(timeout=WeightTransferClient._CONTROL_TIMEOUT)
+        try:
+            chunk, size = [], 0
+            for name, tensor in iterator:
+                tensor = tensor.detach().contiguous()  # a parameter goes as it is, zero-copy, in its own dtype
+                if chunk and size + tensor.nbytes > self.chunk_bytes:
+                    self._update(chunk)
+                    chunk, size = [], 0
+                chunk.append((name, tensor))
+                size += tensor.nbytes
+            if chunk:
+                self._update(chunk)
+        except Exception as exc:
+            with contextlib.suppress(Exception):  # best effort, as TRL's client: the error below matters
+                self.vllm.finish_weight_update(timeout=self.timeout)
+            if "VLLM_ALLOW_INSECURE_SERIALIZATION" in str(exc):
+                raise WeightTransferRefused(
+                    "vLLM refused the weight push: its ipc backend unpickles the CUDA-IPC handles only when started "
+                    "with VLLM_ALLOW_INSECURE_SERIALIZATION=1; restart it with VLLM_SERVER_DEV_MODE=1 "
+                    "VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve ... --host 127.0.0.1 --weight-transfer-config "
+                    "'{\"backend\":\"ipc\"}'") from exc
+            if found := re.search(r"IPC handle not found for GPU UUID ([\w-]+)", str(exc)):
+                raise WeightTransferRefused(
+                    f"vLLM runs on another GPU than the trainer ({found[0]}): CUDA IPC reaches only the same "
+                    f"physical GPU; start this script with CUDA_VISIBLE_DEVICES=GPU-"
+                    f"{found[1].lower().removeprefix('gpu-')}") from exc
+            raise RuntimeError(f"weight push to vLLM at {self.vllm.server_url} over CUDA IPC failed: it keeps the "
+                               "weights it loaded so far and stays paused") from exc
+        self.vllm.finish_weight_update(timeout=self.timeout)
+        torch.cuda.ipc_collect()  # frees the copies vLLM held past their chunk's answer
+
+    def _update(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
+        # vLLM reads the memory from its own process: every copy and merge queued on this one must have landed.
+        torch.cuda.synchronize()
+        # vLLM looks each handle up by its own device's str(uuid) and rebuilds it from reduce_tensor's args alone.
+        handles = [{str(torch.cuda.get_device_properties(t.device).uuid):
+                    torch.multiprocessing.reductions.reduce_tensor(t)[1]} for _, t in chunk]
+        # The handles do not keep the memory alive: `chunk` does, until vLLM has answered (it loads before it does).
+        self.vllm.update_weights({
+            "names": [name for name, _ in chunk], "shapes": [list(t.shape) for _, t in chunk],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
+            "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}, timeout=self.timeout)
+
+    def destroy(self) -> None:
+        pass  # nothing to release: no process group, and vLLM keeps no handle past a push
+
+
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
                   plan: dict[str, Any] | None = None):
     class HarborRolloutWorker(HarnessRolloutWorker):
         _loop_cls = HarborRolloutLoop
         stop = stop_rollout_worker
         samples_left_at_stop = 0
-        metrics_left_at_stop: list[dict[str, Any]] = []
         pending: list[int] = []  # the untrained groups the resumed checkpoint left (_inner_training_loop)
 
         def start(self) -> None:
             # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
             kw = self._loop_kwargs
             self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
-            self.metrics_left_at_stop = []
             kw.update(dataset=self.order, dataset_start_index=0)
             super().start()
 
@@ -2777,6 +3066,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         def log(self, logs, start_time=None):
             if "loss" in logs and self.accelerator.is_main_process:
                 accounting.step(self.state.global_step, logs)
+            elif self.accelerator.is_main_process:  # the run's closing log: what TRL counted after the last step
+                accounting.count(logs)
             super().log(logs, start_time)
 
     class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
@@ -2814,12 +3105,15 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             return loss
 
         def resume_position(self) -> tuple[list[int], int]:
-            """Untrained visits and the next visit, for rollout_state.json: every group the trainer took but no
-            optimizer step trained runs again (collated ahead, in a dropped step, stale), none that one trained does.
-            A group that yielded no sample at all (every rollout failed) is done: rerunning it would fail again. The
+            """Unsettled visits and the next visit, for rollout_state.json. Settled, never run again: a group an
+            optimizer step trained, and one the rollout child settled without a sample (kept out for zero variance,
+            or none of its rollouts scorable, which a rerun would fail again; groups.jsonl). Every other group the
+            trainer took or the child scored runs again (collated ahead, in a dropped step, stale, still queued). The
             step's log (every step) has counted its groups as trained before a save reads them."""
-            seen = max(self._trained_groups, default=-1) + 1  # TRL's set of the groups it collated
-            return self.rollout_worker.order.after(seen, accounting.trained_groups | accounting.unscorable_groups())
+            done = accounting.trained_groups | {g for g, outcome in accounting.settled_groups().items()
+                                                if outcome != "samples"}
+            seen = max(self._trained_groups | done, default=-1) + 1  # TRL's set of the groups it collated
+            return self.rollout_worker.order.after(seen, done)
 
         def _inner_training_loop(self, *a, **kw):
             checkpoint = kw.get("resume_from_checkpoint")
@@ -2830,8 +3124,6 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 return super()._inner_training_loop(*a, **kw)
             finally:  # TRL's own `finally` has stopped the rollout child by now
                 if self.accelerator.is_main_process:
-                    for metrics in self.rollout_worker.metrics_left_at_stop:
-                        accounting.count(metrics)
                     accounting.finish(self.rollout_worker.samples_left_at_stop, getattr(self, "held_out", {}))
 
         def _init_lora_sync(self, model):
@@ -2911,7 +3203,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     dataset = Dataset.from_list(task_rows(tasks, split, args.harnesses))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     records = os.path.join(args.output_dir, "rollouts.jsonl")
-    accounting = RolloutAccounting(records, args.num_generations)
+    accounting = RolloutAccounting(args.output_dir)
     worker = HarborRolloutWorker(
         model_name=args.model, dataset=dataset, reward_funcs=[],
         processing_class=tokenizer, vllm_server_url=config.vllm_server_base_url,
@@ -2923,9 +3215,13 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit),
         efficiency_weight=args.efficiency_weight,
         max_zero_variance_groups=args.max_zero_variance_groups, groups_per_pass=len(dataset),
+        groups_path=str(accounting.groups_path),
     )
+    # vLLM's --weight-transfer-config decided the backend (check_engine); nccl is TRL's own WeightTransferClient.
+    transfer = (CudaIpcWeightTransfer(args.vllm_url, config.weight_sync_timeout)
+                if (plan or {}).get("weight_transfer") == "ipc" else None)
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                                rollout_worker=worker, peft_config=peft_config(args))
+                                rollout_worker=worker, peft_config=peft_config(args), weight_transfer=transfer)
     trainer.add_callback(StopAtStepEnd(trainer))
     if plan and plan.get("eval_tasks"):
         held_out = HeldOutEval(trainer)
@@ -3049,6 +3345,9 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
         trainer.train(resume_from_checkpoint=plan["resume"])
     except Preempted:
         pass  # every rank raised it at the same batch; unwinding ran TRL's cleanup (rollout child, server sessions)
+    except WeightTransferRefused as exc:  # at the first push, before any rollout: nothing to resume
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         cause = str(exc.__cause__ or exc)
         # The step's progress bar (stderr, no newline while it runs) still holds the line the error would join.

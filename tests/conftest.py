@@ -103,7 +103,7 @@ class Rig:
     """One stand-in engine plus one Harbor server pointed at it."""
 
     def __init__(self, workdir: Path, model_dir: Path, engine_flags: list[str], max_concurrent_envs: int = 8,
-                 harbor: bool = True):
+                 harbor: bool = True, engine_env: dict[str, str] | None = None):
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir, self.model_dir = workdir, model_dir
         self.max_concurrent_envs = max_concurrent_envs
@@ -118,7 +118,7 @@ class Rig:
             "engine", [sys.executable, str(RIG / "engine.py"), "--model-dir", str(model_dir), "--port",
                        str(engine_port), "--served-name", SERVED_NAME, "--policy", str(policy),
                        "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", *engine_flags],
-            workdir / "engine.log", f"{self.engine_url}/health")
+            workdir / "engine.log", f"{self.engine_url}/health", env=engine_env)
         self.engine.wait_ready()
         self.harbor = None
         if not harbor:
@@ -250,8 +250,9 @@ def make_rig(tmp_path, tiny_model):
     """A private rig with extra engine flags, e.g. an engine without token ids."""
     rigs = []
 
-    def make(*engine_flags: str, harbor: bool = True) -> Rig:
-        rigs.append(Rig(tmp_path / f"rig{len(rigs)}", tiny_model, list(engine_flags), harbor=harbor))
+    def make(*engine_flags: str, harbor: bool = True, engine_env: dict[str, str] | None = None) -> Rig:
+        rigs.append(Rig(tmp_path / f"rig{len(rigs)}", tiny_model, list(engine_flags), harbor=harbor,
+                        engine_env=engine_env))
         return rigs[-1]
 
     yield make

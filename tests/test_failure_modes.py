@@ -237,15 +237,14 @@ def test_a_harbor_server_restart_loses_no_rollout_and_a_dead_one_ends_the_run_in
     assert AutoModelForCausalLM.from_pretrained(last).num_parameters() > 0
 
 
-def test_an_agent_that_times_out_or_exits_is_scored_by_its_verifier(rig, tmp_path):
-    # Harbor runs the verifier after an agent timeout or a non-zero agent exit: the answer the agent wrote on its first
-    # turn is scored, and the rollout trains like any other (a policy that loops must not leave the GRPO baseline).
-    # The engine answers, then hangs (coin) or kills its own agent (coin2). --max-consecutive-failures 1: not one of
-    # these rollouts may count as a failure.
+def test_an_agent_that_times_out_is_scored_by_its_verifier(rig, tmp_path):
+    # Harbor runs the verifier after an agent timeout: the answer the agent wrote on its first turn is scored, and the
+    # rollout trains like any other (a policy that loops must not leave the GRPO baseline). The engine answers, then
+    # hangs the coin agent. --max-consecutive-failures 1: not one of these rollouts may count as a failure.
     # Two groups in flight and coin2 first: the quick coin2 groups run beside one hanging coin group, so the step
     # waits out one agent timeout, not two in a row. The agent writes its answer within ~10 s of starting.
     out = tmp_path / "out"
-    post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "agent_end": {"coin": "hang", "coin2": "exit"}})
+    post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "agent_end": {"coin": "hang"}})
     try:
         proc = run_script(train_args(rig, out, "--tasks", "coin2,coin", "--max-steps", "1", "--agent-timeout", "30",
                                      "--max-inflight", str(2 * GENERATIONS), "--max-consecutive-failures", "1"),
@@ -254,18 +253,72 @@ def test_an_agent_that_times_out_or_exits_is_scored_by_its_verifier(rig, tmp_pat
         post_json(f"{rig.engine_url}/stand_in/policy", POLICY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
-    for task, kind in (("coin", "timeout"), ("coin2", "nonzero_exit")):
+    for task, kind in (("coin", "timeout"), ("coin2", "ok")):
         mine = [r for r in records if r["task"] == task]
         assert mine and all(r["exit"] == kind and r["error"] is None for r in mine), mine
-        # Both verdicts of the exact-rate engine: the verifier read what the agent wrote before it hung or died.
+        # Both verdicts of the exact-rate engine: the verifier read what the agent wrote before it hung.
         assert {r["reward"] for r in mine} == {0.0, 1.0}, mine
     # Each rollout names its Harbor trial, whose own record says how the agent ended.
     for r in records:
         result = json.loads((rig.workdir / "trials" / r["trial"] / "result.json").read_text())
-        assert result["exception_info"]["exception_type"] in ("AgentTimeoutError", "NonZeroAgentExitCodeError"), r
+        assert (result["exception_info"] or {}).get("exception_type") == (
+            "AgentTimeoutError" if r["task"] == "coin" else None), r
     assert re.search(r"\[harbor\] group \d+ task \d+ \(coin\): reward [\d.]+ in \d+ turns, .*, agent timeout",
                      proc.stdout)
     logged = log_history(out)[0]
     assert logged["harbor/errors_total"] == 0 and logged["rollout/correctness_mean"] is not None
-    assert sum(v for k, v in logged.items() if k.startswith("harbor/agent_exits/")) == logged["harbor/rollouts_total"]
     assert_all_slots_free(rig)
+
+
+def test_an_engine_that_dies_mid_rollout_is_never_trained_and_counts_as_a_failure(make_rig, tmp_path):
+    # vLLM's engine core dies: it answers the agent's second call with a 500 and its server exits. The capture proxy
+    # retries into no server and answers 502; mini-swe-agent exits on it, which Harbor, matching the agent's output,
+    # files as a plain NonZeroAgentExitCodeError, and still verifies the answer turn 0 wrote. That reward is not the
+    # policy's: the rollout trains nothing and counts toward --max-consecutive-failures (one group's worth here).
+    rig = make_rig()
+    post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "agent_end": {"coin": "die"}})
+    out = tmp_path / "out"
+    proc = run_script(train_args(rig, out, "--tasks", "coin", "--max-steps", "1", "--max-consecutive-failures",
+                                 str(GENERATIONS)), cwd=tmp_path, timeout=600)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.match(rf"error: training stopped: {GENERATIONS} consecutive rollouts were unscorable; the last: "
+                    r"NonZeroAgentExitCodeError: the agent's harness or its engine failed", last), last
+    records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert records and all(r["error"] == "NonZeroAgentExitCodeError" and r["reward"] is None for r in records), records
+    # Harbor verified the rollout whose call met the dying engine: a reward existed, and was not trained on.
+    verified = [json.loads((rig.workdir / "trials" / r["trial"] / "result.json").read_text()) for r in records]
+    assert any((v.get("verifier_result") or {}).get("rewards") for v in verified), verified
+    assert "[harbor] step" not in proc.stdout and not list(out.glob("checkpoint-*"))
+    assert re.search(rf"; unscorable: NonZeroAgentExitCodeError {len(records)}\b", proc.stdout), proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def harbor_agent_exceptions() -> list[str]:
+    """The exceptions after which Harbor still runs the verifier (harbor/trial/single_step.py): AgentTimeoutError and
+    NonZeroAgentExitCodeError with every subclass harbor/agents/installed/base.py declares, from the server's own
+    harbor."""
+    names = ("from harbor.trial.errors import AgentTimeoutError\n"
+             "from harbor.agents.installed.base import NonZeroAgentExitCodeError\n"
+             "def names(c): return [c.__name__] + [n for s in c.__subclasses__() for n in names(s)]\n"
+             "print(*names(AgentTimeoutError), *names(NonZeroAgentExitCodeError))")
+    return subprocess.run([os.environ["AGH_SERVER_PYTHON"], "-c", names], capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
+def test_only_the_policys_own_agent_ends_are_trained_at_the_verifiers_reward():
+    from test_preemption import agh
+
+    names = harbor_agent_exceptions()
+    # The policy's doing: it looped until the timeout, or talked past the context or the output cap.
+    own = {"AgentTimeoutError", "ContextWindowExceededError", "OutputTokenExceededError"}
+    assert own < set(names) and {"ApiInternalServerError", "NetworkConnectionError", "ModelNotFoundError"} < set(names)
+    for name in names:
+        # What OpenEnv returns once Harbor verified after the agent's exception: ok=False, its type's name, a reward.
+        result = agh.HarborRolloutResult(ok=False, exception_type=name, error="Command failed (exit 1): ...",
+                                         reward=1.0, n_turns=2, n_trainable_tokens=40, atif="match")
+        failure = agh.judge_rollout(result, "coin", require_tokens=True, reward_key="")
+        if name in own:
+            assert failure is None, name
+        else:  # the harness or the engine failed: unscorable, counted under its own name
+            assert failure is not None and failure.kind == name, (name, failure)

@@ -171,6 +171,42 @@ def test_lora_checkpoints_are_resumable_and_refused_without_use_peft(lora_runs, 
     assert proc.returncode == 2 and "holds an adapter of another shape: r 8 (flags: 4)" in proc.stdout
 
 
+def test_a_resume_whose_lora_targets_resolve_differently_is_refused_before_the_model_loads(lora_runs, tmp_path):
+    # The checkpoint's adapter is on every linear layer (all-linear); without --lora-target-modules PEFT takes its
+    # default for the architecture (q_proj v_proj). Compared as PEFT resolves both, the resume is refused in the
+    # preflight, not by optimizer.load_state_dict once the model has loaded.
+    out, dead = lora_runs["out"], f"http://127.0.0.1:{free_port()}"
+    proc = run_main(["--model", str(lora_runs["tiny_model"]), "--output-dir", str(out), "--resume", "--vllm-url", dead,
+                     "--harbor-url", dead, "--check", "--use-peft", "--lora-r", "8"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[0] == (
+        f"error: {out}/checkpoint-3 holds an adapter of another shape: target_modules down_proj gate_proj k_proj "
+        "o_proj q_proj up_proj v_proj (flags: q_proj v_proj); resume with the run's --lora-* flags (and 1 more failed "
+        "check above)"), proc.stderr  # the other: vLLM is not up
+
+
+@pytest.mark.parametrize("target", ["embed_tokens", "lm_head"])
+def test_a_lora_adapter_on_tied_embeddings_is_refused(tiny_model, tmp_path, target):
+    # Qwen3-4B ties its input embeddings to its output head (one tensor): an adapter on either would change one of
+    # the two in training, both in the merged push. The rig's model is untied; a config that ties it is enough for
+    # the preflight, which reads no weights.
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    config = json.loads((tiny_model / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    def lora_rows(model) -> list[str]:
+        proc = run_main(["--model", str(model), "--use-peft", "--lora-target-modules", target, "--vllm-url", dead,
+                         "--harbor-url", dead, "--check", "--output-dir", str(tmp_path / "out")], cwd=tmp_path)
+        assert proc.returncode == 2  # vLLM is not up either
+        return [line for line in proc.stdout.splitlines() if "LoRA targets" in line]
+
+    (row,) = lora_rows(tied)
+    assert "FAIL" in row and target in row and "ties between its input embeddings and its output head" in row, row
+    assert lora_rows(tiny_model) == []  # the same flags on the untied model
+
+
 def test_an_enable_lora_engine_is_refused_before_any_weights_load(make_rig, tmp_path):
     rig = make_rig("--dtype", "bfloat16", "--enable-lora", harbor=False)
     dead = f"http://127.0.0.1:{free_port()}"

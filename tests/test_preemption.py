@@ -3,6 +3,8 @@ where the run stopped (optimizer steps, model version, task order), past a save 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import re
@@ -11,13 +13,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import (POLICY, SCRIPT, TASKS, assert_all_slots_free, free_port, load_script, log_history,
-                      post_json, rollouts, run_main,
-                      run_script, script_env, train_args)
+from conftest import (GENERATIONS, POLICY, SCRIPT, TASKS, assert_all_slots_free, default_filter, free_port,
+                      load_script, log_history, post_json, rollouts, run_main, run_script, script_env, train_args)
 from safetensors.torch import load_file
 from test_refusals import assert_refused
 
@@ -26,9 +28,9 @@ agh = load_script()
 REQUEUE = 75
 
 
-def run_until_signalled(args: list[str], cwd: Path) -> tuple[int, str]:
-    """Train until the first optimizer step is logged, then preempt as SLURM does: SIGTERM to every process of the
-    job, then, while the trainer is stopping, a second notice (SIGUSR1)."""
+def run_until_signalled(args: list[str], cwd: Path, settled=lambda: True) -> tuple[int, str]:
+    """Train until the first optimizer step is logged and `settled()` holds, then preempt as SLURM does: SIGTERM to
+    every process of the job, then, while the trainer is stopping, a second notice (SIGUSR1)."""
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=cwd, env=script_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
@@ -46,6 +48,10 @@ def run_until_signalled(args: list[str], cwd: Path) -> tuple[int, str]:
     reader.start()
     try:
         assert stepped.wait(600), "".join(lines)[-3000:]
+        deadline = time.monotonic() + 300
+        while not settled():
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGTERM)
         assert stopping.wait(60), "".join(lines)[-3000:]
         proc.send_signal(signal.SIGUSR1)
@@ -59,22 +65,46 @@ def run_until_signalled(args: list[str], cwd: Path) -> tuple[int, str]:
     return code, output
 
 
+def jsonl(path: Path) -> list[dict]:
+    """The records of a file the run appends to, but for a line still being written."""
+    records = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    return records
+
+
 @pytest.fixture(scope="module")
 def preempted_and_relaunched(rig, tmp_path_factory):
     work = tmp_path_factory.mktemp("preempt")
     out = work / "out"
+    # Zero-variance groups kept out, as by default: TASKS hold one task every rollout solves and one none does.
     # --save-steps beyond the run: every checkpoint here is the preemption's own. --max-staleness 0 and an engine
     # that holds every request once the weights of step 1 are in: no sample can arrive after step 1 (those sampled
     # before are stale), so the SIGTERM lands while the trainer waits for rollouts, its usual state. Step 2's one
-    # micro-batch was collated ahead, before step 1 trained: it is whole, so it still trains before the stop.
-    command = train_args(rig, out, "--max-steps", "3", "--save-steps", "100", "--max-staleness", "0",
-                         "--resume", "auto")
+    # micro-batch was collated ahead, before step 1 trained: it is whole, so it still trains before the stop. An
+    # agent timeout beyond the run: a held rollout never ends before the stop.
+    command = default_filter(train_args(rig, out, "--max-steps", "3", "--save-steps", "100", "--max-staleness", "0",
+                                        "--agent-timeout", "600", "--resume", "auto"))
     hold = rig.engine_stats()["weight_version"] + 2  # the cold sync, step 1
+    trials = rig.workdir / "trials"
+    earlier = set(trials.iterdir()) if trials.exists() else set()
+
+    def settled() -> bool:
+        """Nothing is left to settle before the stop: every rollout started is recorded or waits at the engine, and
+        every group whose rollouts are all recorded has been scored."""
+        recorded = collections.Counter(r["group"] for r in jsonl(out / "rollouts.jsonl"))
+        started = len(set(trials.iterdir()) - earlier)
+        whole = {g for g, n in recorded.items() if n == GENERATIONS}
+        return (started == recorded.total() + rig.engine_stats()["held"]
+                and whole <= {r["group"] for r in jsonl(out / "groups.jsonl")})
+
     post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "hold_from_weight_version": hold})
     try:
-        code, first = run_until_signalled(command, work)
+        code, first = run_until_signalled(command, work, settled)
     finally:
         post_json(f"{rig.engine_url}/stand_in/policy", POLICY)
+    first_groups = jsonl(out / "groups.jsonl")
     assert_all_slots_free(rig)
     saved = {p.name: (json.loads((p / "rollout_state.json").read_text()), log_history(out, int(p.name[11:])))
              for p in out.glob("checkpoint-*")}
@@ -85,11 +115,11 @@ def preempted_and_relaunched(rig, tmp_path_factory):
     weights = partial / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     relaunched = run_script(command, cwd=work)
-    return code, first, saved, relaunched, out
+    return code, first, saved, relaunched, out, (first_groups, jsonl(out / "groups.jsonl")[len(first_groups):])
 
 
 def test_sigterm_saves_the_finished_step_and_asks_for_a_requeue(preempted_and_relaunched, rig):
-    code, first, saved, _, out = preempted_and_relaunched
+    code, first, saved, _, out, _ = preempted_and_relaunched
     assert code == REQUEUE
     last = first.strip().splitlines()[-1]
     assert re.fullmatch(rf"\[harbor\] stopped by SIGTERM: checkpoint {re.escape(str(out))}/checkpoint-2 \(step 2\); "
@@ -102,7 +132,7 @@ def test_sigterm_saves_the_finished_step_and_asks_for_a_requeue(preempted_and_re
 
 
 def test_the_same_command_ignores_a_killed_save_and_continues_exactly(preempted_and_relaunched):
-    _, first, saved, relaunched, out = preempted_and_relaunched
+    _, first, saved, relaunched, out, _ = preempted_and_relaunched
     assert relaunched.returncode == 0, relaunched.stderr[-3000:]
     assert re.search(rf"resume from\s+{re.escape(str(out))}/checkpoint-2\n", relaunched.stdout)
     # No optimizer step lost or repeated: the relaunch ran exactly step 3, on the optimizer state of step 2.
@@ -120,6 +150,26 @@ def test_the_same_command_ignores_a_killed_save_and_continues_exactly(preempted_
     assert not list(out.glob(".staging-*"))
     assert agh.checkpoint_problem(out / "checkpoint-3") is None
     assert load_file(out / "checkpoint-3" / "model.safetensors")
+
+
+def test_a_resume_runs_every_planned_group_once_with_zero_variance_groups_kept_out(preempted_and_relaunched):
+    # A checkpoint's rollout_state.json: the visits below prompt_index are settled, except the pending ones. Settled:
+    # trained by a step of the checkpoint, or kept out for zero variance (or without a scorable rollout), which no
+    # step ever trains: a resume that ran those again would repeat them, launch after launch.
+    _, first, saved, _, out, (_, resumed_groups) = preempted_and_relaunched
+    state, history = saved["checkpoint-2"]
+    settled = set(range(state["prompt_index"])) - set(state["pending"])
+    # As the first launch printed them (it started at visit 0: its group n is visit n), and what its steps trained.
+    kept_out = {int(g) for g in re.findall(r"\[harbor\] group (\d+): zero variance, .*: kept out of training", first)}
+    trained = sum(e["harbor/trained/groups"] for e in history)
+    assert kept_out and trained, (first, history)
+    assert kept_out <= settled and len(settled) == trained + len(kept_out), (state, kept_out, history)
+    # The resumed launch runs no settled visit and no visit twice; whatever its checkpoint settles anew, it ran.
+    ran = [r["visit"] for r in resumed_groups]
+    assert ran and len(ran) == len(set(ran)) and not set(ran) & settled, (ran, state)
+    final = json.loads((out / "checkpoint-3" / "rollout_state.json").read_text())
+    settled_after = set(range(final["prompt_index"])) - set(final["pending"])
+    assert settled <= settled_after and settled_after - settled <= set(ran), (state, final, ran)
 
 
 def assert_resumed_order(saved: dict, stdout: str) -> None:
@@ -147,7 +197,7 @@ def test_a_resume_runs_the_untrained_groups_first_then_continues_the_order():
 # midway leaves only its staging dir: the relaunch above).
 @pytest.mark.parametrize("damage", ["cut trainer_state.json", "no rollout_state.json"])
 def test_a_damaged_checkpoint_is_not_resumed_from(preempted_and_relaunched, tmp_path, damage):
-    _, _, _, _, out = preempted_and_relaunched
+    _, _, _, _, out, _ = preempted_and_relaunched
     run = tmp_path / "out"
     for step in (2, 3):
         shutil.copytree(out / f"checkpoint-{step}", run / f"checkpoint-{step}")

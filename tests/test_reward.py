@@ -5,6 +5,7 @@ the rewards and hands them to TRL's `_score_group`, and reads the advantages off
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections import defaultdict
 from types import SimpleNamespace
@@ -38,6 +39,7 @@ def scoring_loop(max_zero_variance_groups: int = 100):
     loop._stop_event, loop.passes = threading.Event(), agh.PassRate(1)
     loop._counters, loop._rates = defaultdict(float), defaultdict(lambda: [0.0, 0.0])
     loop._factory = SimpleNamespace(split_by_harness=False, _say=print)
+    loop.groups_path = ""  # groups.jsonl: test_each_scored_group_is_settled_once_as_a_resume_reads_it writes one
     return loop
 
 
@@ -50,7 +52,8 @@ def rollout(reward: float | None, turns: int = 5):
 
 def advantages(rollouts: list, loop=None) -> list[float | None] | None:
     """Each rollout's advantage as TRL builds its samples (None: no sample); None when the group was kept out."""
-    group = RolloutGroup(prompts=[[]] * len(rollouts), reward_kwargs={}, completions=[[]] * len(rollouts),
+    prompt = [{"role": "user", "content": "", "harbor_task_name": "coin", "harbor_harness": "mini-swe-agent"}]
+    group = RolloutGroup(prompts=[prompt] * len(rollouts), reward_kwargs={}, completions=[[]] * len(rollouts),
                          completions_ids=[[]] * len(rollouts), completions_sequences=[rows for _, rows in rollouts],
                          tool_call_counts=[0] * len(rollouts), tool_failure_counts=[0] * len(rollouts),
                          model_version=0, group_id=7, env_rewards=[None] * len(rollouts),
@@ -110,6 +113,24 @@ def test_a_long_run_of_zero_variance_groups_stops_the_worker_with_the_reason():
     with pytest.raises(ValueError, match=rf"^{agh.NO_SIGNAL} the last 3 groups .*\(1 solved by every rollout, 2 by "
                                          r"none\).*--eval-only --curate"):
         advantages(failed, loop)
+
+
+def test_each_scored_group_is_settled_once_as_a_resume_reads_it(tmp_path):
+    # One line per group in groups.jsonl, the outcome decided where the group is scored: a resume runs again only the
+    # groups whose samples no optimizer step trained, never one kept out or without a scorable rollout.
+    loop = scoring_loop()
+    loop.groups_path, loop.dataset = str(tmp_path / "groups.jsonl"), agh.VisitOrder(["row"] * 8, pending=[], start=5)
+    groups = {"varied": [rollout(1.0), rollout(0.0)], "all solved": [rollout(1.0), rollout(1.0)],
+              "none scorable": [rollout(None), rollout(None)], "one scorable": [rollout(1.0), rollout(None)]}
+    for members in groups.values():
+        advantages(members, loop)
+    trained_anyway = scoring_loop(max_zero_variance_groups=0)
+    trained_anyway.groups_path, trained_anyway.dataset = loop.groups_path, loop.dataset
+    advantages(groups["all solved"], trained_anyway)
+    records = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
+    assert [r["outcome"] for r in records] == ["samples", "zero_variance", "no_scorable", "zero_variance", "samples"]
+    # TRL's group 7 of this launch is visit 12: the order's start (5) plus 7.
+    assert {(r["group"], r["visit"], r["task"], r["harness"]) for r in records} == {(7, 12, "coin", "mini-swe-agent")}
 
 
 def test_efficiency_weight_must_stay_below_one_correctness_step():

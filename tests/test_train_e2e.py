@@ -145,14 +145,20 @@ def test_only_groups_with_reward_variance_reach_the_loss(trained):
         # Loss tokens as TRL counts them: the micro-batches this step trained on, not the one collated ahead.
         assert logged["batch/trained_tokens_per_step"] == int(tokens) > 0
         assert logged["harbor/trained/groups"] == int(groups) and logged["harbor/trained/samples"] == int(samples)
-    # Every rollout and every group counted once: produced = trained + not trained.
+    # Every rollout and every group counted once, from what the run recorded, after the last step's log too: the
+    # groups the rollout child scored (groups.jsonl) = trained + kept out + none scorable + samples never trained.
     summary = SUMMARY.search(proc.stdout)
     assert summary, proc.stdout[-3000:]
     n = {key: int(value) for key, value in summary.groupdict().items()}
     assert n["finished"] == len(rollouts(proc.stdout)) and n["unscorable"] == n["none"] == 0
     assert n["reached"] == len(trained_groups) == len(set(trained_groups))
     assert n["tokens"] == sum(int(s[4]) for s in steps)
-    assert n["reached"] + n["kept_out"] + n["rest"] == n["groups"] <= len(whole)
+    scored = [json.loads(line) for line in (out / "groups.jsonl").read_text().splitlines()]
+    with_samples = {r["group"] for r in scored if r["outcome"] == "samples"}
+    assert set(trained_groups) <= with_samples and n["rest"] == len(with_samples - set(trained_groups))
+    assert n["kept_out"] == len(ZERO_VARIANCE.findall(proc.stdout)) == sum(r["outcome"] == "zero_variance"
+                                                                            for r in scored)
+    assert n["reached"] + n["kept_out"] + n["none"] + n["rest"] == n["groups"] == len(scored) <= len(whole)
     assert sum(e.get("harbor/rollouts_total", 0) for e in history.values()) <= n["finished"]
 
 

@@ -18,6 +18,12 @@ Only five things are replaced; everything else of TRL runs for real:
 (e) `torch.cuda.mem_get_info` -> the free and total GiB in $AGH_RIG_GPU_MEMORY (`FREE,TOTAL`), only while it is set:
     the preflight's trainer-memory row compares its projection with a GPU this machine does not have. Unset, torch's
     own (which raises without CUDA, so the row says there is no GPU).
+(f) CUDA IPC, for the script's `ipc` backend (`CudaIpcWeightTransfer`), on a torch without CUDA: `reduce_tensor` of a
+    CPU tensor returns the 15 arguments of torch's `rebuild_cuda_tensor` in their places, its "cudaIpcMemHandle" the
+    path of a file holding the storage's bytes, removed when the storage is freed (as CUDA IPC memory is not the
+    consumer's to read once the producer frees it); `torch.cuda.get_device_properties` answers one "GPU" of uuid
+    `RIG_GPU_UUID`; `torch.cuda.synchronize` and `ipc_collect` have nothing to wait for. The engine stand-in
+    (`tests/rig/engine.py --weight-transfer-config '{"backend":"ipc"}'`) rebuilds them as vLLM's receive path does.
 
 `install()` is idempotent. It patches modules already imported and registers an import hook for the others, so it
 is cheap to call at interpreter start (see `tests/rig/sitecustomize/sitecustomize.py`, active when AGH_CPU_RIG=1).
@@ -31,7 +37,10 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
+import uuid
+import weakref
 from collections import Counter
 from types import SimpleNamespace
 
@@ -243,7 +252,7 @@ def _patch_weight_transfer(module) -> None:
 GPU_MEMORY_ENV = "AGH_RIG_GPU_MEMORY"
 
 
-def _patch_cuda(module) -> None:
+def _patch_cuda_memory(module) -> None:
     original = getattr(module.mem_get_info, "_agh_original", module.mem_get_info)
 
     def mem_get_info(device=None):
@@ -261,7 +270,59 @@ def install_gpu_memory() -> None:
     """(e) alone, in a process that imported torch already (a test running `main()` in-process)."""
     import torch.cuda
 
-    _patch_cuda(torch.cuda)
+    _patch_cuda_memory(torch.cuda)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# (f) CUDA IPC on CPU
+# --------------------------------------------------------------------------------------------------------------------
+RIG_GPU_UUID = "5a1e0000-0000-4000-8000-00000000c0de"  # the rig's one "physical GPU": the trainer's and the engine's
+_RIG_GPU = SimpleNamespace(uuid=RIG_GPU_UUID, name="CPU rig")
+
+
+def _share_cpu_tensor(tensor):
+    """What torch's reduce_tensor returns for a CUDA tensor, for a CPU one: (rebuild_cuda_tensor, its args)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    storage = tensor.untyped_storage()
+    path = os.path.join(tempfile.gettempdir(), f"agh-rig-ipc-{os.getpid()}-{uuid.uuid4().hex}")
+    with open(path, "wb") as f:
+        f.write(bytes(storage))
+    weakref.finalize(storage, _unlink, path)
+    return (rebuild_cuda_tensor,
+            (type(tensor), tensor.size(), tensor.stride(), tensor.storage_offset(), type(tensor._typed_storage()),
+             tensor.dtype, 0, path.encode(), storage.nbytes(), 0, tensor.requires_grad, b"", 0, b"", False))
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _patch_reductions(module) -> None:
+    # Patched once the package has registered the original with multiprocessing's pickler (init_reductions), so
+    # tensors that cross process boundaries through queues (TRL's rollout child) still travel as torch sends them.
+    reductions = module.reductions
+    original = getattr(reductions.reduce_tensor, "_agh_original", reductions.reduce_tensor)
+
+    def reduce_tensor(tensor):
+        return _share_cpu_tensor(tensor) if tensor.device.type == "cpu" else original(tensor)
+
+    reduce_tensor._agh_original = original
+    reductions.reduce_tensor = reduce_tensor
+
+
+def _patch_cuda_ipc(module) -> None:
+    if module.is_available():
+        return
+    module.get_device_properties = lambda device=None: _RIG_GPU
+    module.synchronize = lambda device=None: None
+    module.ipc_collect = lambda: None
+
+
+def _patch_cuda(module) -> None:
+    _patch_cuda_memory(module)
+    _patch_cuda_ipc(module)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -273,6 +334,7 @@ _PATCHES = {
     f"{_PKG}.async_grpo_trainer": _patch_trainer,
     f"{_PKG}.async_rollout_worker": _patch_rollout_worker,
     f"{_PKG}.weight_transfer": _patch_weight_transfer,
+    "torch.multiprocessing": _patch_reductions,
     "torch.cuda": _patch_cuda,
 }
 # Offline GPU runs (tests/gpu, AGH_CPU_RIG=attention) stand in for the hub-fetched kernel alone: vLLM, NCCL and CUDA

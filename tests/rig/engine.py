@@ -1,7 +1,7 @@
 """Loopback stand-in for `vllm serve` (0.29) on CPU, speaking the wire contract the rig depends on.
 
     python tests/rig/engine.py --model-dir DIR --port P --served-name NAME [--policy policy.json] [--dtype D]
-                               [--logprobs-mode M] [--no-token-ids]
+                               [--logprobs-mode M] [--no-token-ids] [--weight-transfer-config JSON]
 
 Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_logprobs
 --return-tokens-as-token-ids --enable-auto-tool-choice --tool-call-parser hermes
@@ -23,8 +23,19 @@ Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_
   /server_info; null otherwise, as vLLM's); it serves no adapter.
 * The TRL control plane (`/health`, `/v1/models`, `/server_info`, `/get_world_size`, `/pause`, `/resume`, the weight
   update calls) answers as vLLM's does (`/server_info?config_format=json`: the resolved config's JSON dump, with
-  `model_config.dtype` as `torch.<dtype>` and `model_config.logprobs_mode`); the NCCL receive is replaced by
-  `POST /stand_in/load_weights`, whose body is `safetensors.torch.save(state_dict)` under HF parameter names.
+  `model_config.dtype` as `torch.<dtype>` and `model_config.logprobs_mode`, and `vllm_env`); the NCCL receive is
+  replaced by `POST /stand_in/load_weights`, whose body is `safetensors.torch.save(state_dict)` under HF parameter
+  names.
+* `--weight-transfer-config '{"backend":"ipc"}'` serves vLLM's ipc backend instead (the intersection of 0.26's and
+  0.29's): `/init_weight_transfer_engine` takes an empty `init_info`; between `/start_weight_update` and
+  `/finish_weight_update` each `/update_weights` is decoded as vLLM's `parse_update_info` decodes it (base64 ->
+  pickle, refused unless the engine's environment has VLLM_ALLOW_INSECURE_SERIALIZATION=1, as vLLM's) into one
+  {gpu uuid: reduce_tensor args} per tensor, each rebuilt as vLLM's receive path does (its device index replaced)
+  and loaded into the model; the weight version moves at `/finish_weight_update`. A handle is the rig's CPU stand-in
+  for CUDA IPC (tests/rig/cpu_trainer.py, (e)). Failures answer as vLLM's collective_rpc does: 500, "Call to
+  collective_rpc method failed: ...". `/stand_in/stats` lists every weight-sync call in order (`weight_sync`, the
+  query kept: `pause?mode=keep`) and each push's chunks as decoded (`pushes`).
+* `GET /stand_in/weights`: the model's state dict, `safetensors.torch.save`d, for tests to compare with the trainer's.
 * `GET /stand_in/stats`: every chat request's sampling params and served token counts, for tests to assert on.
   `POST /stand_in/policy` replaces the policy below without a restart.
 
@@ -38,10 +49,13 @@ Policy (`--policy`, JSON; every key optional):
      "score_temperature_offset": 0.3,  # logprobs scored at T + 0.3: an engine that reports another policy than
                                        # the one it sampled from
      "hold_from_weight_version": 3,  # from the 3rd weight load on, chat requests wait until a policy without
-                                     # this key is set: rollouts stall, so the trainer waits for them
+                                     # this key is set: rollouts stall, so the trainer waits for them (`held` in
+                                     # /stand_in/stats counts the requests waiting)
      "agent_end": {"coin": "hang", "coin2": "exit"},  # after turn 0, instead of submitting: "hang" runs `sleep`
                                      # until Harbor's agent timeout, "exit" kills the agent (a non-zero agent exit);
-                                     # Harbor's verifier still scores the answer turn 0 wrote
+                                     # Harbor's verifier still scores the answer turn 0 wrote; "die" is the
+                                     # engine's own failure: it answers turn 1 with vLLM's 500 of a dead engine
+                                     # core and exits, as vLLM's server does (later calls find no server)
      "choices": {"choose": ["cat", "dog", "fox", "tag"]},  # the MODEL decides these tasks' answers (below)
      "seed": 0}                                             # of the engine's sampling of those choices
 
@@ -68,8 +82,11 @@ would choose under each weight version without sampling noise.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import math
+import os
+import pickle
 import random
 import re
 import shlex
@@ -80,7 +97,9 @@ from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
 import torch
+from cpu_trainer import RIG_GPU_UUID
 from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -97,10 +116,18 @@ class HTTPError(Exception):
         self.status = status
 
 
+class EngineDead(HTTPError):
+    """vLLM's EngineDeadError: answered as a 500, then its API server shuts down."""
+
+
+# vLLM 0.29's IPCWeightTransferUpdateInfo fields (0.26 adds `packed`, which 0.29 refuses).
+IPC_UPDATE_FIELDS = {"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes"}
+
+
 class Engine:
     def __init__(self, model_dir, served_name, policy, token_ids=True, max_model_len=32768,
-                 logprobs_mode="processed_logprobs", tool_parser=True, weight_transfer=True, dtype="auto",
-                 enable_lora=False):
+                 logprobs_mode="processed_logprobs", tool_parser=True, weight_transfer=None, dtype="auto",
+                 enable_lora=False, gpu_uuid=RIG_GPU_UUID):
         self.model_dir, self.served_name = str(model_dir), served_name
         self.logprobs_mode, self.tool_parser, self.weight_transfer = logprobs_mode, tool_parser, weight_transfer
         # vLLM's context length: the trainer's default token budget per micro-batch, so it decides samples per step.
@@ -117,10 +144,16 @@ class Engine:
         self.running.set()
         self.weight_version = 0
         self.n_requests = 0
+        self.held = 0  # requests waiting for a policy without `hold_from_weight_version`
         self.rollouts_by_task: dict[str, int] = {}
         self.rng = random.Random(policy.get("seed", 0))  # samples the model's own choices (`choices`)
         self.requests: list[dict] = []
         self.control_calls: dict[str, int] = {}
+        self.weight_sync: list[str] = []  # every weight-sync call, in order
+        self.pushes: list[dict] = []  # ipc: each finished push's chunks, as decoded
+        self.push: dict | None = None  # ipc: the push between /start_weight_update and /finish_weight_update
+        self.gpu_uuid = gpu_uuid  # str(torch.cuda.get_device_properties(its device).uuid), as vLLM reads it
+        self.allow_pickle = bool(int(os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")))  # as vLLM reads it
 
     # ---- chat completions --------------------------------------------------------------------------------------
     def chat(self, body: dict) -> dict:
@@ -130,8 +163,13 @@ class Engine:
             raise HTTPError(400, "stand-in engine does not stream (the capture proxy always sends stream=false)")
         if body.get("n", 1) != 1:
             raise HTTPError(400, "stand-in engine supports n=1 only")
-        while self.weight_version >= self.policy.get("hold_from_weight_version", math.inf):
-            time.sleep(0.2)
+        if self.weight_version >= self.policy.get("hold_from_weight_version", math.inf):
+            with self.state_lock:
+                self.held += 1
+            while self.weight_version >= self.policy.get("hold_from_weight_version", math.inf):
+                time.sleep(0.2)
+            with self.state_lock:
+                self.held -= 1
         with self.state_lock:
             index = self.n_requests
             self.n_requests += 1
@@ -219,6 +257,8 @@ class Engine:
         task = match.group(1) if match else "unknown"
         if any(m.get("role") == "assistant" for m in messages):
             end = policy.get("agent_end", {}).get(task)
+            if end == "die":
+                raise EngineDead(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.")
             # mini-swe-agent runs each command in a shell it spawns: $PPID is the agent itself.
             command = {"hang": "sleep 3600", "exit": "kill -9 $PPID"}.get(end, SUBMIT)
             return end or "submit", [_tool_call_text(command)]
@@ -278,20 +318,112 @@ class Engine:
         self.policy = policy  # read once per request, so a swap never splits one request across two policies
         return {"status": "ok"}
 
-    def control(self, name: str) -> dict:
+    def control(self, name: str, query: str = "", body: bytes = b"") -> dict:
         with self.state_lock:
             self.control_calls[name] = self.control_calls.get(name, 0) + 1
+            self.weight_sync.append(f"{name}?{query}" if query else name)
         if name == "pause":
             self.running.clear()
         elif name == "resume":
             self.running.set()
+        elif (self.weight_transfer or {}).get("backend") == "ipc":
+            try:
+                getattr(self, f"ipc_{name}")(json.loads(body or b"{}"))
+            except HTTPError:
+                raise
+            except Exception as exc:  # what vLLM's engine core answers for any worker-side failure
+                raise HTTPError(500, f"Call to collective_rpc method failed: {exc}") from exc
         return {"status": "ok"}
+
+    # ---- vLLM's ipc backend ----------------------------------------------------------------------------------------
+    def ipc_init_weight_transfer_engine(self, body: dict) -> None:
+        if body.get("init_info") is None:
+            raise HTTPError(400, "Missing 'init_info' in request body")
+        if body["init_info"]:  # 0.26's IPCWeightTransferInitInfo has no fields
+            raise ValueError(f"Invalid init_info for IPCWeightTransferEngine: unexpected {sorted(body['init_info'])}")
+
+    def ipc_start_weight_update(self, body: dict) -> None:
+        if self.push is not None:
+            raise RuntimeError("start_weight_update called while a weight update is already active. Call "
+                               "finish_weight_update first.")
+        self.push = {"chunks": []}
+
+    def ipc_update_weights(self, body: dict) -> None:
+        if body.get("update_info") is None:
+            raise HTTPError(400, "Missing 'update_info' in request body")
+        if self.push is None:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        try:
+            names, weights = self._parse_update_info(dict(body["update_info"]))
+            with self.model_lock:  # vLLM's load_weights: each parameter's loader copies (and casts) into it
+                params = dict(self.model.named_parameters())
+                for name, weight in zip(names, weights):
+                    if params[name].shape != weight.shape:
+                        raise ValueError(f"{name}: shape {list(weight.shape)} for a parameter of "
+                                         f"{list(params[name].shape)}")
+                    params[name].data.copy_(weight)
+        except BaseException:
+            self.push = None  # as vLLM's worker: a failed chunk ends the update
+            raise
+
+    def _parse_update_info(self, update: dict) -> tuple[list[str], list[torch.Tensor]]:
+        """vLLM's IPCWeightTransferEngine.parse_update_info, then its receive_weights (unpacked: one handle each)."""
+        if unknown := set(update) - IPC_UPDATE_FIELDS:
+            raise ValueError(f"Invalid update_info for IPCWeightTransferEngine: unexpected keyword arguments "
+                             f"{sorted(unknown)}")
+        if missing := {"names", "dtype_names", "shapes"} - set(update):
+            raise ValueError(f"Invalid update_info for IPCWeightTransferEngine: missing {sorted(missing)}")
+        if update.get("ipc_handles_pickled") is not None:
+            if update.get("ipc_handles") is not None:
+                raise ValueError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`")
+            if not self.allow_pickle:
+                raise ValueError("Refusing to deserialize `ipc_handles_pickled` without "
+                                 "VLLM_ALLOW_INSECURE_SERIALIZATION=1")
+            update["ipc_handles"] = pickle.loads(base64.b64decode(update.pop("ipc_handles_pickled")))
+        handles, names = update.get("ipc_handles"), update["names"]
+        if handles is None:
+            raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
+        for key in ("dtype_names", "shapes"):
+            if len(update[key]) != len(names):
+                raise ValueError(f"`{key}` should be of the same size as `names`: got {len(update[key])} and "
+                                 f"{len(names)}")
+        if not isinstance(handles, list):  # a packed buffer: never announced at init here
+            raise ValueError("packed ipc_handles without packed=True at init")
+        if len(handles) != len(names):
+            raise ValueError(f"`ipc_handles` should be of the same size as `names`: got {len(handles)} and "
+                             f"{len(names)}")
+        weights = []
+        for handle in handles:
+            if self.gpu_uuid not in handle:
+                raise ValueError(f"IPC handle not found for GPU UUID {self.gpu_uuid}. Available UUIDs: "
+                                 f"{list(handle.keys())}")
+            args = list(handle[self.gpu_uuid])
+            args[6] = 0  # the receiver's device index, as vLLM overwrites it
+            weights.append(rebuild_shared_tensor(*args))
+        self.push["chunks"].append({
+            "names": names, "dtype_names": update["dtype_names"], "shapes": update["shapes"],
+            "received": [[str(w.dtype).removeprefix("torch."), list(w.shape)] for w in weights],
+            "bytes": sum(w.nbytes for w in weights)})
+        return names, weights
+
+    def ipc_finish_weight_update(self, body: dict) -> None:
+        if self.push is None:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
+        with self.model_lock:
+            self.weight_version += 1
+        with self.state_lock:
+            self.pushes.append({**self.push, "weight_version": self.weight_version})
+        self.push = None
+
+    def weights(self) -> bytes:
+        with self.model_lock:
+            return save_safetensors({k: v.detach().clone() for k, v in self.model.state_dict().items()})
 
     def stats(self) -> dict:
         with self.state_lock:
-            return {"requests": self.n_requests, "weight_version": self.weight_version,
+            return {"requests": self.n_requests, "held": self.held, "weight_version": self.weight_version,
                     "paused": not self.running.is_set(), "control_calls": dict(self.control_calls),
-                    "chat": list(self.requests)}
+                    "weight_sync": list(self.weight_sync), "pushes": list(self.pushes), "chat": list(self.requests)}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -305,12 +437,29 @@ class Engine:
         config = {"model_config": {
             "model": self.model_dir, "served_model_name": self.served_name, "dtype": str(self.dtype),
             "max_model_len": self.max_model_len, "logprobs_mode": self.logprobs_mode},
-            "weight_transfer_config": {"backend": "nccl"} if self.weight_transfer else None,
+            "weight_transfer_config": self.weight_transfer,
             "lora_config": {"max_lora_rank": 16, "max_loras": 1, "max_cpu_loras": None, "lora_dtype": "auto",
                             "fully_sharded_loras": False} if self.enable_lora else None}
         json_format = "config_format=json" in query
         return {"vllm_config": config if json_format else repr(config),
-                "vllm_env": {"VLLM_SERVER_DEV_MODE": True}, "system_env": {"torch_version": torch.__version__}}
+                "vllm_env": {"VLLM_SERVER_DEV_MODE": True, "VLLM_ALLOW_INSECURE_SERIALIZATION": self.allow_pickle},
+                "system_env": {"torch_version": torch.__version__}}
+
+
+def rebuild_shared_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_bytes,
+                          storage_offset_bytes, requires_grad, *_ref_counter_and_event):
+    """torch's rebuild_cuda_tensor, argument for argument, for the rig's CPU stand-in of a CUDA-IPC handle: the path
+    of a file holding the producer's storage, removed once the producer freed it."""
+    try:
+        with open(handle.decode(), "rb") as f:
+            data = bytearray(f.read())[storage_offset_bytes: storage_offset_bytes + storage_bytes]
+    except FileNotFoundError:
+        raise ValueError("a tensor's IPC handle names memory the trainer has already freed") from None
+    storage = torch.UntypedStorage.from_buffer(data, dtype=torch.uint8) if data else torch.UntypedStorage(0)
+    tensor = torch._utils._rebuild_tensor(torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype,
+                                                                     _internal=True), offset, size, stride)
+    tensor.requires_grad = requires_grad
+    return tensor
 
 
 def resolve_dtype(flag: str, config_dtype) -> torch.dtype:
@@ -395,7 +544,7 @@ def _handler(engine: Engine, dev_mode: bool):
             routes = {"/health": lambda: {}, "/v1/models": engine.models,
                       "/server_info": lambda: engine.server_info(query),
                       "/get_world_size": lambda: {"world_size": 1}, "/version": lambda: {"version": "0.29.0"},
-                      "/stand_in/stats": engine.stats}
+                      "/stand_in/stats": engine.stats, "/stand_in/weights": engine.weights}
             self._answer(routes.get(path))
 
         def do_POST(self):
@@ -410,25 +559,30 @@ def _handler(engine: Engine, dev_mode: bool):
             elif path == "/stand_in/policy":
                 self._answer(lambda: engine.set_policy(json.loads(body)))
             elif path in controls:
-                self._answer(lambda: engine.control(path.strip("/")))
+                self._answer(lambda: engine.control(path.strip("/"), urlsplit(self.path).query, body))
             else:
                 self._answer(None)
 
         def _answer(self, produce):
+            failure = None
             try:
                 if produce is None:
                     raise HTTPError(404, f"no route {self.command} {self.path}")
                 status, payload = 200, produce()
             except HTTPError as exc:
-                status, payload = exc.status, _error(exc.status, str(exc))
+                failure, status, payload = exc, exc.status, _error(exc.status, str(exc))
             except Exception as exc:  # noqa: BLE001 - a bad request must not kill the engine under test
                 status, payload = 400, _error(400, f"{type(exc).__name__}: {exc}")
-            data = json.dumps(payload).encode()
+            raw = isinstance(payload, bytes)
+            data = payload if raw else json.dumps(payload).encode()
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", "application/octet-stream" if raw else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+            if isinstance(failure, EngineDead):
+                self.wfile.flush()
+                os._exit(1)
 
         def log_message(self, *args):  # per-request lines would drown test output; /stand_in/stats has the record
             pass
@@ -437,7 +591,7 @@ def _handler(engine: Engine, dev_mode: bool):
 
 
 def _error(status: int, message: str) -> dict:
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "Error")
+    kind = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}.get(status, "Error")
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
@@ -456,13 +610,17 @@ def main(argv=None) -> None:
     parser.add_argument("--no-tool-parser", action="store_true")
     parser.add_argument("--no-dev-mode", action="store_true")
     parser.add_argument("--no-weight-transfer", action="store_true")
+    parser.add_argument("--weight-transfer-config", default='{"backend":"nccl"}', help="as vLLM's: a JSON object")
+    parser.add_argument("--gpu-uuid", default=RIG_GPU_UUID, help="the GPU the engine stands on (the trainer's: "
+                                                                  "tests/rig/cpu_trainer.py's RIG_GPU_UUID)")
     parser.add_argument("--enable-lora", action="store_true")
     args = parser.parse_args(argv)
     policy = json.load(open(args.policy)) if args.policy else {}
     torch.set_num_threads(1)  # the trainer shares this CPU; a tiny model gains nothing from more threads
     engine = Engine(args.model_dir, args.served_name, policy, not args.no_token_ids,
-                    args.max_model_len, args.logprobs_mode, not args.no_tool_parser, not args.no_weight_transfer,
-                    args.dtype, args.enable_lora)
+                    args.max_model_len, args.logprobs_mode, not args.no_tool_parser,
+                    None if args.no_weight_transfer else json.loads(args.weight_transfer_config), args.dtype,
+                    args.enable_lora, args.gpu_uuid)
     server = ThreadingHTTPServer((args.host, args.port), _handler(engine, not args.no_dev_mode))
     print(f"stand-in engine serving {args.served_name} on http://{args.host}:{server.server_port}", flush=True)
     server.serve_forever()

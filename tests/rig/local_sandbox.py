@@ -47,6 +47,9 @@ BASE_ENV = {
     "LANG": "C.UTF-8",
     # The image is offline; without this litellm tries GitHub for its cost map on every start.
     "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    # mini-swe-agent gives up on the first failed model call: its own 10 attempts, up to 60 s apart, would outlast a
+    # test's agent timeout (the capture proxy has retried the engine by then).
+    "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
 }
 
 SKELETON = (
