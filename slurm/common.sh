@@ -134,12 +134,18 @@ start() {
 # The USR1 warning (#SBATCH --signal=B:USR1@...) or SIGTERM (preemption, time limit, scancel) reach this shell; the
 # trainer is sent SIGTERM, which it answers like SIGUSR1 (checkpoint, stop sessions, exit): unlike SIGUSR1,
 # accelerate's launcher forwards it to every rank instead of dying from it.
+# A child's pid is ours to signal only while the child is: once it has exited and been reaped, the kernel may give the
+# pid to any process of the node (seen: a job's exit SIGKILLed an unrelated process that had reused its trainer's pid).
+is_child() {
+  [ "$(ps -o ppid= -p "$1" 2>/dev/null | tr -d ' ')" = "$$" ]
+}
+
 on_stop_signal() {
   [ -z "$STOP_SIGNAL" ] || return 0
   STOP_SIGNAL=$1
   if [ -n "$TRAINER_PID" ]; then
     log "SIG$1: asking the trainer to save a checkpoint and exit"
-    kill -TERM "$TRAINER_PID" 2>/dev/null || true
+    if is_child "$TRAINER_PID"; then kill -TERM "$TRAINER_PID" 2>/dev/null || true; fi
   else
     log "SIG$1 before the trainer started"
   fi
@@ -148,10 +154,12 @@ on_stop_signal() {
 # Every child is stopped when the job's shell exits, however it exits.
 stop_children() {
   local pid deadline=$((SECONDS + 30))
-  for pid in "${CHILDREN[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${CHILDREN[@]}"; do
-    while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 1; done
-    kill -KILL "$pid" 2>/dev/null || true
+    if is_child "$pid"; then kill -TERM "$pid" 2>/dev/null || true; fi
+  done
+  for pid in "${CHILDREN[@]}"; do
+    while is_child "$pid" && [ "$SECONDS" -lt "$deadline" ]; do sleep 1; done
+    if is_child "$pid"; then kill -KILL "$pid" 2>/dev/null || true; fi
   done
 }
 
@@ -211,7 +219,7 @@ run_trainer() {
   start "$@"
   TRAINER_PID=$LAST_PID
   if [ -n "$STOP_SIGNAL" ]; then kill -TERM "$TRAINER_PID" 2>/dev/null || true; fi
-  while kill -0 "$TRAINER_PID" 2>/dev/null; do wait "$TRAINER_PID" || true; done
+  while is_child "$TRAINER_PID"; do wait "$TRAINER_PID" || true; done
   local rc=0
   wait "$TRAINER_PID" || rc=$?
   log "trainer exited with code $rc"

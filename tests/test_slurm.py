@@ -281,6 +281,36 @@ def test_a_bad_split_or_flag_is_one_error_line_before_anything_starts(env, args,
     assert proc.stdout == ""
 
 
+# The wrappers' own functions, with one of the job's children finished and its pid handed to an unrelated process.
+PID_REUSED = r"""
+REPO=$1 DRY_RUN=0
+source "$REPO/slurm/common.sh"
+start "a child that exits at once" true
+child=$LAST_PID
+wait "$child"
+echo $((child - 2)) > /proc/sys/kernel/ns_last_pid  # the next two forks: a bash, then its `sleep` at $child
+bash -c 'sleep 120 >/dev/null 2>&1 & echo $!' > "$2"
+decoy=$(cat "$2")
+[ "$decoy" = "$child" ] || { echo "setup: the decoy got pid $decoy, not $child"; exit 3; }
+stop_children  # the job's EXIT trap
+if kill -0 "$decoy" 2>/dev/null; then echo "decoy alive"; kill "$decoy"; else echo "decoy signalled"; fi
+"""
+
+
+def test_a_jobs_exit_never_signals_a_process_that_took_a_finished_childs_pid(tmp_path):
+    # Once a child of the job has exited and been reaped, the kernel hands its pid to the next process of the node
+    # (pid_max is 32,768 here; seen: a wrapper's exit killed another test run's pytest). Staged in a pid namespace
+    # of its own, where nothing else forks, so the finished child's pid surely goes to the unrelated process. Its
+    # init is a shell of its own (`; exit`: bash would exec a lone command), so the orphan's parent is not the job's.
+    stage = tmp_path / "stage.sh"
+    stage.write_text(PID_REUSED)
+    proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c",
+                           f"bash {stage} {ROOT} {tmp_path / 'decoy'}; exit $?"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "decoy alive", proc.stdout
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Multi node
 # ----------------------------------------------------------------------------------------------------------------------
