@@ -10,11 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import (GENERATIONS, POLICY, SCRIPT, assert_all_slots_free, default_filter, log_history, post_json,
-                      rollouts, run_script, script_env, train_args)
+from conftest import (GENERATIONS, POLICY, SCRIPT, assert_all_slots_free, default_filter, load_script, log_history,
+                      post_json, rollouts, run_script, script_env, train_args)
 
 
 def test_all_failing_rollouts_stop_training_with_the_reason(rig, tmp_path):
@@ -323,3 +325,81 @@ def test_only_the_policys_own_agent_ends_are_trained_at_the_verifiers_reward():
             assert failure is None, name
         else:  # the harness or the engine failed: unscorable, counted under its own name
             assert failure is not None and failure.kind == name, (name, failure)
+
+
+class RefusalCountingRelay(ThreadingHTTPServer):
+    """Forwards the script's MCP calls to the Harbor server and counts the replies that say it is full, so a test
+    knows a rollout was refused before it frees a slot (the server logs no refusal)."""
+
+    daemon_threads = True
+
+    def __init__(self, target: str):
+        super().__init__(("127.0.0.1", 0), RelayHandler)
+        self.target, self.refusals, self.refused = target, 0, threading.Condition()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class RelayHandler(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        request = urllib.request.Request(self.server.target + self.path, body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            answer = reply.read()
+        if b"max_sessions" in answer:
+            with self.server.refused:
+                self.server.refusals += 1
+                self.server.refused.notify_all()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_full_harbor_server_is_waited_for_within_the_retry_window(rig):
+    """A server with no free slot (another run's sessions, or ours still closing) is retried, not failed: the rollout
+    starts once a slot frees; one that stays full for --harbor-retry-window fails that rollout alone, with the fix."""
+    agh = load_script()
+    holders = [agh.HarborServerSession(rig.harbor_url, timeout_s=30) for _ in range(rig.max_concurrent_envs)]
+    relay = RefusalCountingRelay(rig.harbor_url)
+    sessions = []
+    try:
+        for holder in holders:
+            holder.open()
+        task = next(t for t in agh.fetch_catalogue(rig.harbor_url, rig.split) if t["task_name"] == "echo-hello")
+        prompt = agh.task_rows([task], rig.split, ["mini-swe-agent"])[0]["prompt"]
+
+        def rollout(window_s: float):
+            factory = agh.HarborSessionFactory(
+                harbor_url=relay.url, harness="mini-swe-agent", sandbox="local", reward_key="correct,reward",
+                agent_step_limit=6, agent_timeout_s=60, max_consecutive_failures=3, retry_window_s=window_s,
+                sampling=agh.training_sampling({"temperature": 0.7}))
+            sessions.append(factory.create(prompt, len(sessions)))
+            return sessions[-1]
+
+        stays_full = rollout(3.0)
+        assert stays_full.wait_for_completion() == 1
+        assert stays_full.failure.kind == "server_full", stays_full.failure
+        assert "MAX_CONCURRENT_ENVS" in stays_full.failure.message, stays_full.failure.message
+        assert relay.refusals >= 2, "gave up at the first refusal instead of retrying within the window"
+
+        waits = rollout(600.0)
+        outcome = {}
+        refused_before = relay.refusals
+        runner = threading.Thread(target=lambda: outcome.update(code=waits.wait_for_completion()))
+        runner.start()
+        with relay.refused:
+            assert relay.refused.wait_for(lambda: relay.refusals > refused_before, timeout=120)
+        holders.pop().close()  # a slot frees while the rollout waits for one
+        runner.join(timeout=600)
+        assert outcome == {"code": 0}, waits.failure
+        assert waits.result.reward == 1.0 and waits.failure is None
+    finally:
+        for session in [*sessions, *holders]:
+            session.close()
+        relay.shutdown()
+    assert_all_slots_free(rig)
