@@ -68,18 +68,47 @@ def build_model(dtype, device):
     return model.to(dtype)
 
 
-def measure_memory(lengths: list[int], device: str) -> dict:
+def trainer_model(dtype, device):
+    """The trainer's loss path on Qwen3-4B's shape: gradient checkpointing, TRL's fused LM head, fused AdamW."""
     import torch
     from trl.trainer.utils import add_fused_lm_head
 
+    model = build_model(dtype, device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as AsyncGRPOTrainer adds it
+    model.train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+
+
+def micro_batch(model, length: int, dtype, device) -> None:
+    """Forward and backward of one packed row of `length` random tokens (float32 weights run under bf16 autocast)."""
+    import torch
+
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, length), device=device)
+    positions = torch.arange(length, device=device).unsqueeze(0)
+    labels = torch.randint(0, vocab, (1, length), device=device)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+        out = model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
+        loss = -(out.log_probs.float() * torch.randn_like(out.log_probs.float())).mean()
+    loss.backward()
+
+
+def train_step(model, optimizer, length: int, dtype, device, micro_batches: int = 1) -> None:
+    """One optimizer step over `micro_batches` rows (gradient accumulation, as --micro-batches-per-step)."""
+    for _ in range(micro_batches):
+        micro_batch(model, length, dtype, device)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure_memory(lengths: list[int], device: str) -> dict:
+    import torch
+
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
-        model = build_model(dtype, device)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-        add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as AsyncGRPOTrainer adds it
-        model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+        model, optimizer = trainer_model(dtype, device)
         name = str(dtype).removeprefix("torch.")
         params = sum(p.numel() for p in model.parameters())
         # update: the share of a weight matrix one AdamW step at lr 1e-6 changes
@@ -90,15 +119,7 @@ def measure_memory(lengths: list[int], device: str) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
             try:
                 for step in range(3):
-                    ids = torch.randint(0, QWEN3_4B["vocab_size"], (1, length), device=device)
-                    positions = torch.arange(length, device=device).unsqueeze(0)
-                    labels = torch.randint(0, QWEN3_4B["vocab_size"], (1, length), device=device)
-                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.float32):
-                        out = model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
-                        loss = -(out.log_probs.float() * torch.randn_like(out.log_probs.float())).mean()
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    train_step(model, optimizer, length, dtype, device)
                     if step == 0 and length == lengths[0]:
                         changed = (probe.detach() != before).float().mean().item()
                         results[f"update/{name}/frac_changed_lr1e-6"] = changed
@@ -112,7 +133,7 @@ def measure_memory(lengths: list[int], device: str) -> dict:
                 optimizer.zero_grad(set_to_none=True)
             print(name, length, results[f"memory/{name}/{length}"], flush=True)
         results[f"params/{name}"] = params
-        del model, optimizer, out, loss
+        del model, optimizer
         torch.cuda.empty_cache()
     return results
 
