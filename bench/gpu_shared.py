@@ -176,11 +176,18 @@ class Load:
 
     def stop(self) -> None:
         self.stop_flag.set()
-        # Abort what is in flight rather than wait for it to finish, then serve again.
-        post(f"{self.url}/pause?mode=abort", timeout=120)
+        # Abort what is in flight rather than wait for it to finish, then serve again; without the dev route the
+        # requests in flight finish on their own.
+        try:
+            post(f"{self.url}/pause?mode=abort", timeout=120)
+        except OSError as exc:
+            self.errors.append(f"pause?mode=abort: {exc}"[:200])
         for t in self.threads:
-            t.join(timeout=60)
-        post(f"{self.url}/resume", timeout=120)
+            t.join(timeout=120)
+        try:
+            post(f"{self.url}/resume", timeout=120)
+        except OSError as exc:
+            self.errors.append(f"resume: {exc}"[:200])
 
 
 # --- the trainer child ------------------------------------------------------------------------------------------------
