@@ -4,7 +4,8 @@
 
 Only the rows the run measured change: Qwen3-4B, full fine-tune in the run's --dtype, on an H200, at a row length the
 run trained. A row whose vLLM utilisation differs from the run's says at which one it was measured (vLLM's share
-changes its KV cache, not its speed at the run's concurrency, nor the trainer's). The sentence above the table that
+changes its KV cache, not its speed at the run's concurrency, nor the trainer's); such a row is filled only where
+its `trainer memory` verdict is PASS. The sentence above the table that
 said these columns were not measured names the run instead. --check prints the new table and writes nothing.
 """
 
@@ -50,6 +51,8 @@ def fill(readme: str, result: dict, raw: str) -> tuple[str, int]:
             continue
         util = args["gpu_memory_utilization"]
         note = "" if abs(float(share) - util) < 1e-9 else f", vLLM at {util:.2f}"
+        if note and row[6] != "PASS":  # a tighter share than the run's may not hold what it measured
+            continue
         row[8], row[9] = got[0] + note, got[1]
         lines[i] = "| " + " | ".join(row) + " |"
         changed += 1
