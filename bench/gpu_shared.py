@@ -157,7 +157,8 @@ class Load:
     def _loop(self, seed: int) -> None:
         rng = random.Random(seed)
         while not self.stop_flag.is_set():
-            prompt = [rng.randrange(len(SPECIALS + MARKUP), QWEN3_4B["vocab_size"]) for _ in range(self.args.prompt_tokens)]
+            first = len(SPECIALS + MARKUP)
+            prompt = [rng.randrange(first, QWEN3_4B["vocab_size"]) for _ in range(self.args.prompt_tokens)]
             try:
                 post(f"{self.url}/v1/completions", {"model": self.model, "prompt": prompt, "temperature": 1.0,
                                                     "max_tokens": self.args.max_tokens, "ignore_eos": True})
@@ -268,20 +269,22 @@ def trainer_main(args) -> int:
             say("steps", tag=cmd["tag"], length=cmd["length"], step_s=[round(t, 3) for t in times],
                 start=start, end=time.time(), peak_allocated_gib=round(peak, 2))
         elif cmd["cmd"] == "push":
-            if transfer is None:
-                transfer = script_ipc_transfer()(cmd["url"], 600)
-                s = time.monotonic()
-                transfer.init_weight_transfer()
-                init_s = round(time.monotonic() - s, 2)
-            else:
+            try:
                 init_s = None
-            torch.cuda.synchronize(device)
-            s = time.monotonic()
-            transfer.pause()
-            transfer.send_weights((n, p.detach()) for n, p in _iter_vllm_named_params(model))
-            transfer.resume()
-            gib = sum(p.numel() * p.element_size() for _, p in _iter_vllm_named_params(model)) / 2**30
-            say("push", tag=cmd["tag"], push_s=round(time.monotonic() - s, 3), init_s=init_s, gib=round(gib, 2))
+                if transfer is None:
+                    transfer = script_ipc_transfer()(cmd["url"], 600)
+                    s = time.monotonic()
+                    transfer.init_weight_transfer()
+                    init_s = round(time.monotonic() - s, 2)
+                torch.cuda.synchronize(device)
+                s = time.monotonic()
+                transfer.pause()
+                transfer.send_weights((n, p.detach()) for n, p in _iter_vllm_named_params(model))
+                transfer.resume()
+                gib = sum(p.numel() * p.element_size() for _, p in _iter_vllm_named_params(model)) / 2**30
+                say("push", tag=cmd["tag"], push_s=round(time.monotonic() - s, 3), init_s=init_s, gib=round(gib, 2))
+            except Exception as exc:  # the push is one figure among several: the others still get measured
+                say("push", tag=cmd["tag"], error=f"{type(exc).__name__}: {exc}"[:500])
     return 0
 
 
@@ -312,12 +315,12 @@ class Trainer:
             try:
                 self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
                 self.proc.stdin.flush()
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=15)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
 
 
-# --- the report --------------------------------------------------------------------------------------------------------
+# --- the report -------------------------------------------------------------------------------------------------------
 def summarize(r: dict, args) -> dict:
     """Ratios and steps/h from the raw phases in `r` (also run on made-up numbers by --dry-run)."""
     m = args.micro_batches_per_step
@@ -357,7 +360,7 @@ def fake_results(args) -> dict:
     return r
 
 
-# --- main --------------------------------------------------------------------------------------------------------------
+# --- main -------------------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.trainer:
@@ -536,7 +539,7 @@ def measure(args, shape: dict, sink: Path) -> int:
         if server is not None:
             server.terminate()
             try:
-                server.wait(timeout=30)
+                server.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 server.kill()
         save()
