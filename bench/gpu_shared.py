@@ -492,18 +492,23 @@ def measure(args, shape: dict, sink: Path) -> int:
             if "error" in warm:
                 continue
             step = warm["step_s"][0]
-            # together runs slower: budget it at twice the solo step, plus the load's ramp and stop
-            if left() < step * args.steps * 3 + args.ramp_seconds + 40:
+            # n steps alone and n together, together budgeted at twice the solo step, plus the load's ramp and stop;
+            # fewer timed steps rather than none when time is short
+            fits = [n for n in range(args.steps, 0, -1) if step * n * 3 + args.ramp_seconds + 25 <= left()]
+            if not fits:
                 r["skipped"].append(f"train/{length}: {left():.0f}s left, a step takes {step:.1f}s")
                 save()
                 continue
-            r[f"train/{length}/alone"] = trainer.ask(cmd="steps", tag="alone", length=length, n=args.steps)
+            n = fits[0]
+            if n < args.steps:
+                r["skipped"].append(f"train/{length}: {n} timed step(s) per phase instead of {args.steps}")
+            r[f"train/{length}/alone"] = trainer.ask(cmd="steps", tag="alone", length=length, n=n)
             note(f"alone {length}: {r[f'train/{length}/alone']}")
             load.start()
             time.sleep(args.ramp_seconds)
             c0 = generated_tokens(url)
             threading.Timer(args.ramp_seconds, snapshot, (logs / "nvidia-smi.txt",)).start()
-            both = trainer.ask(cmd="steps", tag="together", length=length, n=args.steps)
+            both = trainer.ask(cmd="steps", tag="together", length=length, n=n)
             c1 = generated_tokens(url)
             window = both["end"] - both["start"] if "end" in both else None
             if window:
