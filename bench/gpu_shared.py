@@ -21,7 +21,7 @@ On one card, in this order (vLLM first: it sizes its KV cache from utilisation x
 
 Ratios are measured side by side in one run (together / alone); steps/h = 3600 x steps/s for a step of
 `--micro-batches-per-step` rows. A phase that would overrun `--budget-s` is skipped and says so in the JSON, which is
-rewritten after every phase.
+rewritten after every phase. `python bench/fill_fits_table.py <that JSON>` then fills README's table from it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import json
 import os
 import random
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -351,7 +352,7 @@ def summarize(r: dict, args) -> dict:
 
 def fake_results(args) -> dict:
     r = {"gen_alone": {"tok_s": 6000.0, "window_s": args.gen_seconds}, "skipped": []}
-    for length, s in zip(args.lengths, (6.0, 14.0, 30.0)):
+    for length, s in zip(sorted(args.lengths), (6.0, 14.0, 30.0)):
         r[f"train/{length}/alone"] = {"step_s": [s, s * 1.01], "peak_allocated_gib": 60.0 + length / 8192}
         r[f"train/{length}/together"] = {"step_s": [s * 1.8, s * 1.9], "peak_allocated_gib": 60.0 + length / 8192,
                                          "gen_tok_s": 2700.0}
@@ -378,7 +379,7 @@ def main(argv=None) -> int:
         tok = build_tokenizer(work / "tok", QWEN3_4B["vocab_size"])
         ids = [5, 151935, 2]
         print("tokenizer:", len(tok), "ids; decode", ids, "->", repr(tok.decode(ids)), flush=True)
-        print("vllm:", " ".join(vllm_command(args, work / "model")), flush=True)
+        print("vllm:", shlex.join(vllm_command(args, work / "model")), flush=True)
         log = work / "trainer.log"
         trainer = Trainer(args, log)
         try:
