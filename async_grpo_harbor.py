@@ -2968,8 +2968,14 @@ class CudaIpcWeightTransfer:
                     f"vLLM runs on another GPU than the trainer ({found[0]}): CUDA IPC reaches only the same "
                     f"physical GPU; start this script with CUDA_VISIBLE_DEVICES=GPU-"
                     f"{found[1].lower().removeprefix('gpu-')}") from exc
-            raise RuntimeError(f"weight push to vLLM at {self.vllm.server_url} over CUDA IPC failed: it keeps the "
-                               "weights it loaded so far and stays paused") from exc
+            # vLLM 0.26 answers a failed push with a bare 500: its cause is only in vLLM's own log.
+            answer = " ".join(str(exc).split())[:300]
+            raise WeightTransferRefused(
+                f"weight push to vLLM at {self.vllm.server_url} over CUDA IPC failed ({answer}); the cause is in "
+                "vLLM's server log (the output of `vllm serve`); most likely vLLM runs without "
+                "VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment, or on another GPU than the trainer (compare "
+                "`nvidia-smi -L` with this script's CUDA_VISIBLE_DEVICES); vLLM keeps the weights it loaded so far "
+                "and stays paused") from exc
         self.vllm.finish_weight_update(timeout=self.timeout)
         torch.cuda.ipc_collect()  # frees the copies vLLM held past their chunk's answer
 
@@ -3337,7 +3343,7 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
         trainer.train(resume_from_checkpoint=plan["resume"])
     except Preempted:
         pass  # every rank raised it at the same batch; unwinding ran TRL's cleanup (rollout child, server sessions)
-    except WeightTransferRefused as exc:  # at the first push, before any rollout: nothing to resume
+    except WeightTransferRefused as exc:  # fixed where vLLM runs (mostly at the first push, before any rollout)
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:

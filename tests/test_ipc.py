@@ -209,6 +209,24 @@ def test_a_push_refused_for_pickle_names_the_variable_and_the_restart(make_rig, 
     assert stats["weight_sync"][-1] == "finish_weight_update" and stats["weight_version"] == 0
 
 
+def test_a_push_vllm_refuses_without_a_message_names_its_log_and_the_likely_causes(make_rig, tiny_model):
+    # vLLM 0.26 answers a push its workers refused with a bare 500: the cause is only in vLLM's own log.
+    from transformers import AutoModelForCausalLM
+
+    engine = make_rig(*IPC, "--bare-errors", harbor=False)  # VLLM_ALLOW_INSECURE_SERIALIZATION unset
+    script = load_script()
+    transfer = script.CudaIpcWeightTransfer(engine.engine_url, 60)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    transfer.init_weight_transfer()
+    transfer.pause()
+    with pytest.raises(script.WeightTransferRefused) as refused:
+        transfer.send_weights((n, p.detach()) for n, p in model.named_parameters())
+    message = str(refused.value)
+    assert "\n" not in message and "Internal Server Error" in message, message
+    for needle in ("vLLM's server log", "VLLM_ALLOW_INSECURE_SERIALIZATION=1", "on another GPU than the trainer"):
+        assert needle in message, message
+
+
 # ---- training
 def test_training_over_ipc_leaves_the_engine_holding_the_trainers_weights(ipc_rig, tmp_path):
     before = ipc_rig.engine_stats()

@@ -33,7 +33,8 @@ Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_
   {gpu uuid: reduce_tensor args} per tensor, each rebuilt as vLLM's receive path does (its device index replaced)
   and loaded into the model; the weight version moves at `/finish_weight_update`. A handle is the rig's CPU stand-in
   for CUDA IPC (tests/rig/cpu_trainer.py, (e)). Failures answer as vLLM's collective_rpc does: 500, "Call to
-  collective_rpc method failed: ...". `/stand_in/stats` lists every weight-sync call in order (`weight_sync`, the
+  collective_rpc method failed: ..."; with `--bare-errors`, as vLLM 0.26's does: a bare 500, "Internal Server
+  Error". `/stand_in/stats` lists every weight-sync call in order (`weight_sync`, the
   query kept: `pause?mode=keep`) and each push's chunks as decoded (`pushes`).
 * `GET /stand_in/weights`: the model's state dict, `safetensors.torch.save`d, for tests to compare with the trainer's.
 * `GET /stand_in/stats`: every chat request's sampling params and served token counts, for tests to assert on.
@@ -120,6 +121,10 @@ class EngineDead(HTTPError):
     """vLLM's EngineDeadError: answered as a 500, then its API server shuts down."""
 
 
+class BareServerError(HTTPError):
+    """vLLM 0.26's answer to a weight-sync call that failed in its workers: a 500 whose body says nothing more."""
+
+
 # vLLM 0.29's IPCWeightTransferUpdateInfo fields (0.26 adds `packed`, which 0.29 refuses).
 IPC_UPDATE_FIELDS = {"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes"}
 
@@ -127,8 +132,9 @@ IPC_UPDATE_FIELDS = {"names", "dtype_names", "shapes", "ipc_handles", "ipc_handl
 class Engine:
     def __init__(self, model_dir, served_name, policy, token_ids=True, max_model_len=32768,
                  logprobs_mode="processed_logprobs", tool_parser=True, weight_transfer=None, dtype="auto",
-                 enable_lora=False, gpu_uuid=RIG_GPU_UUID):
+                 enable_lora=False, gpu_uuid=RIG_GPU_UUID, bare_errors=False):
         self.model_dir, self.served_name = str(model_dir), served_name
+        self.bare_errors = bare_errors
         self.logprobs_mode, self.tool_parser, self.weight_transfer = logprobs_mode, tool_parser, weight_transfer
         # vLLM's context length: the trainer's default token budget per micro-batch, so it decides samples per step.
         self.max_model_len = max_model_len
@@ -332,6 +338,8 @@ class Engine:
             except HTTPError:
                 raise
             except Exception as exc:  # what vLLM's engine core answers for any worker-side failure
+                if self.bare_errors:
+                    raise BareServerError(500, "Internal Server Error") from exc
                 raise HTTPError(500, f"Call to collective_rpc method failed: {exc}") from exc
         return {"status": "ok"}
 
@@ -569,6 +577,8 @@ def _handler(engine: Engine, dev_mode: bool):
                 if produce is None:
                     raise HTTPError(404, f"no route {self.command} {self.path}")
                 status, payload = 200, produce()
+            except BareServerError as exc:
+                status, payload = exc.status, str(exc).encode()
             except HTTPError as exc:
                 failure, status, payload = exc, exc.status, _error(exc.status, str(exc))
             except Exception as exc:  # noqa: BLE001 - a bad request must not kill the engine under test
@@ -614,13 +624,15 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu-uuid", default=RIG_GPU_UUID, help="the GPU the engine stands on (the trainer's: "
                                                                   "tests/rig/cpu_trainer.py's RIG_GPU_UUID)")
     parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--bare-errors", action="store_true", help="answer a failed weight-sync call as vLLM 0.26 "
+                        "does: a 500 with no message (the cause only in the server's log)")
     args = parser.parse_args(argv)
     policy = json.load(open(args.policy)) if args.policy else {}
     torch.set_num_threads(1)  # the trainer shares this CPU; a tiny model gains nothing from more threads
     engine = Engine(args.model_dir, args.served_name, policy, not args.no_token_ids,
                     args.max_model_len, args.logprobs_mode, not args.no_tool_parser,
                     None if args.no_weight_transfer else json.loads(args.weight_transfer_config), args.dtype,
-                    args.enable_lora, args.gpu_uuid)
+                    args.enable_lora, args.gpu_uuid, args.bare_errors)
     server = ThreadingHTTPServer((args.host, args.port), _handler(engine, not args.no_dev_mode))
     print(f"stand-in engine serving {args.served_name} on http://{args.host}:{server.server_port}", flush=True)
     server.serve_forever()
