@@ -1400,6 +1400,14 @@ def check_ipc_engine(args: argparse.Namespace, pf: Preflight, vllm_env: dict[str
         pf.add("vLLM on loopback", WARN, f"--vllm-url is loopback, but no socket listening on port {port} is visible "
                "here (another network namespace?): whether vLLM is reachable beyond this host is unknown",
                "make sure vLLM runs with --host 127.0.0.1")
+    elif job := next((f"{name}={os.environ[name]}" for name in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+                      if os.environ.get(name)), None):
+        # Loopback keeps other hosts out, not the other users of this one: a scheduler's node runs their jobs too.
+        pf.add("vLLM on loopback", WARN, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
+               f"{port} only, but this host is shared ({job}: a scheduler's node, other users' jobs may run on it) "
+               f"and every local user reaches its loopback: {danger}",
+               "run the job on a node of its own (SLURM: --exclusive), or serve vLLM on a GPU of its own with "
+               "--weight-transfer-config '{\"backend\":\"nccl\"}', which unpickles nothing")
     else:
         pf.add("vLLM on loopback", PASS, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
                f"{port} only")
@@ -1708,6 +1716,13 @@ def check_same_gpu(pf: Preflight, apps: dict[str, list[tuple[int, str, float]]] 
         pf.add("same GPU", WARN, "nvidia-smi is unavailable, so which GPU vLLM runs on is unknown: a push from "
                "another GPU fails at the first step", fix)
         return
+    if mine.startswith("mig-") or any(uuid.startswith("mig-") for uuid in apps):
+        # A MIG instance's UUID is not its parent GPU's, and nvidia-smi lists processes by either: no comparison
+        # of the two tells whether vLLM shares the trainer's instance.
+        pf.add("same GPU", WARN, f"cuda:0 ({props.name}) is a MIG instance ({str(props.uuid)}): whether vLLM runs "
+               "on the same GPU instance could not be verified; a push from another fails at the first step",
+               "start vLLM and this script with the same CUDA_VISIBLE_DEVICES=MIG-<UUID, nvidia-smi -L>")
+        return
     port = url_port(vllm_url)
     server = serving_processes(port) - {os.getpid()}
     how = f"the processes serving port {port}"
@@ -1731,9 +1746,20 @@ def check_same_gpu(pf: Preflight, apps: dict[str, list[tuple[int, str, float]]] 
 
 def check_trainer_gpus(pf: Preflight, backend: str | None = None, vllm_url: str = "") -> None:
     if not torch.cuda.is_available():
-        pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
-        if backend == "ipc":
-            pf.add("same GPU", SKIP, "no CUDA device visible: CUDA IPC needs the trainer on vLLM's GPU")
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+        # What a push hands vLLM: from a CPU trainer torch shares no CUDA memory (CPU tests stand in for it here).
+        if backend == "ipc" and reduce_tensor(torch.zeros(1))[0] is not rebuild_cuda_tensor:
+            pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer (torch {torch.__version__}, "
+                   f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}), but vLLM serves the "
+                   "ipc backend: CUDA IPC cannot push weights from a CPU trainer",
+                   "run this script on vLLM's GPU (CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>) with a CUDA "
+                   "build of torch (`uv run` installs it from this script's header)")
+            pf.add("same GPU", SKIP, "not compared: the trainer has no CUDA device (the trainer GPU row)")
+        else:
+            pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
+            if backend == "ipc":
+                pf.add("same GPU", SKIP, "no CUDA device visible: CUDA IPC needs the trainer on vLLM's GPU")
         pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
                "(kernels-community/flash-attn3), which has no CPU build")
         return

@@ -124,6 +124,51 @@ def test_two_trainer_ranks_are_refused_on_every_rank(ipc_rig, tmp_path):
     assert "Traceback" not in stdout + stderr
 
 
+def test_on_a_shared_host_a_loopback_vllm_is_still_flagged(ipc_rig, tmp_path):
+    # A SLURM node runs other users' jobs: each of them reaches 127.0.0.1, and so vLLM's unpickling.
+    proc = run_main([*ipc_rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--check"], cwd=tmp_path,
+                    SLURM_JOB_ID="4242")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status, detail = table(proc.stdout)["vLLM on loopback"]
+    assert status == "WARN" and "this host is shared (SLURM_JOB_ID=4242" in detail, detail
+    assert "every local user reaches its loopback" in detail and "can run code as vLLM's user" in detail, detail
+    assert "fix: run the job on a node of its own (SLURM: --exclusive)" in proc.stdout
+
+
+def test_a_cpu_trainer_beside_an_ipc_vllm_is_refused(monkeypatch):
+    # This test process stands in for CUDA IPC (tests/rig/cpu_trainer.py, (f)); a CPU trainer without it shares no
+    # CUDA memory at all.
+    from torch.multiprocessing import reductions
+
+    monkeypatch.setattr(reductions, "reduce_tensor", reductions.reduce_tensor._agh_original)
+    script = load_script()
+    pf = script.Preflight()
+    script.check_trainer_gpus(pf, "ipc", "http://127.0.0.1:8000")
+    rows = {check: (status, detail, fix) for check, status, detail, fix in pf.rows}
+    status, detail, fix = rows["trainer GPU"]
+    assert status == "FAIL" and "CUDA IPC cannot push weights from a CPU trainer" in detail, detail
+    assert "run this script on vLLM's GPU" in fix, fix
+    assert rows["same GPU"][0] == "SKIP"
+
+
+@pytest.mark.parametrize("trainer, listed", [("MIG-6f2a0000-0000-4000-8000-000000000001", "0e1de000-0000-4000-8000-"
+                                                                                          "0000000000b2"),
+                                             ("0e1de000-0000-4000-8000-0000000000b2",
+                                              "mig-6f2a0000-0000-4000-8000-000000000002")])
+def test_under_mig_the_same_gpu_row_says_it_could_not_verify_instead_of_failing(monkeypatch, trainer, listed):
+    # A MIG instance's UUID is not its parent GPU's; nvidia-smi may list vLLM under either.
+    from types import SimpleNamespace
+
+    script = load_script()
+    monkeypatch.setattr(script.torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(uuid=trainer, name="NVIDIA H200 MIG 3g.71gb"))
+    pf = script.Preflight()
+    script.check_same_gpu(pf, {listed: [(999999, "VLLM::EngineCore", 40.0)]}, "http://127.0.0.1:8000")
+    (check, status, detail, fix), = pf.rows
+    assert (check, status) == ("same GPU", "WARN"), (status, detail)
+    assert "could not be verified" in detail and "MIG-<UUID" in fix, (detail, fix)
+
+
 # ---- the pushes, driven as TRL's trainer drives a WeightTransferProtocol
 @pytest.fixture(autouse=True)
 def accelerate_state():
