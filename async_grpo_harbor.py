@@ -1923,12 +1923,31 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
 
     On a GPU vLLM shares (the ipc backend) that is what vLLM's --gpu-memory-utilization leaves of the card's total:
     vLLM sized its KV cache and activations to that share at start and need not hold all of it at every moment. The
-    plan then caps the trainer there (train() applies it), so it never grows into vLLM's share.
+    plan then caps the trainer there (train() applies it), so it never grows into vLLM's share, whether or not its
+    peak could be projected.
     """
     check = "trainer memory"
+    memory = gpu_memory()
+    engine = engine or ((served or {}).get("weight_transfer"), (served or {}).get("gpu_memory_utilization"))
+    backend, utilisation = engine
+    shared = backend == "ipc"
+    facts, cap, room, limit = {}, "", "", 0
+    if memory is not None:
+        free, total = memory
+        usable = min(free, int(total * (1 - utilisation))) if shared and utilisation else free
+        limit = usable - OUTSIDE_ALLOCATOR
+        vllm = (f"; vLLM shares this GPU and sized itself to --gpu-memory-utilization {utilisation:g} x {gib(total)} = "
+                f"{gib(utilisation * total)}" if shared and utilisation else "")
+        room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}{vllm}; "
+                f"{gib(OUTSIDE_ALLOCATOR)} left for what torch's allocator does not count)")
+        if shared:
+            facts["gpu_memory_fraction"] = fraction = min(1.0, max(0, limit + torch.cuda.memory_reserved(0)) / total)
+            cap = (f"; the trainer is capped there at train start (torch.cuda.set_per_process_memory_fraction "
+                   f"{fraction:.3f}), so it never grows into vLLM's share")
     if shape is None:
-        pf.add(check, SKIP, f"not projected: {model_shape_error(args) or '--dtype auto: its dtype is unknown'}")
-        return {}
+        pf.add(check, SKIP, f"not projected: {model_shape_error(args) or '--dtype auto: its dtype is unknown'}"
+               + (f"; {room}{cap}" if cap else ""))
+        return facts
     row = longest_row(args, served and served.get("max_model_len"))
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
@@ -1941,33 +1960,17 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
     rows = (f"a {row:,}-token row (TRL packs rollouts up to its token budget, here {budget})" if row
             else "the static part alone (the row is TRL's token budget, vLLM's max_model_len: unknown)")
     detail = f"projected peak {gib(need)} for {rows}, {what}: {', '.join(f'{k} {gib(n)}' for k, n in parts.items())}"
-    memory = gpu_memory()
     if memory is None:
         pf.add(check, SKIP, f"{detail}; no GPU to compare against (the trainer runs on CPU)")
         return {}
-    free, total = memory
-    engine = engine or ((served or {}).get("weight_transfer"), (served or {}).get("gpu_memory_utilization"))
-    backend, utilisation = engine
-    shared = backend == "ipc"
-    usable = min(free, int(total * (1 - utilisation))) if shared and utilisation else free
-    limit = usable - OUTSIDE_ALLOCATOR
-    vllm = (f"; vLLM shares this GPU and sized itself to --gpu-memory-utilization {utilisation:g} x {gib(total)} = "
-            f"{gib(utilisation * total)}" if shared and utilisation else "")
-    room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}{vllm}; "
-            f"{gib(OUTSIDE_ALLOCATOR)} left for what torch's allocator does not count)")
     if need > limit:
         pf.add(check, FAIL, f"{detail} > {room}: training would run out of GPU memory at its first step, after a "
                "group of paid rollouts", memory_fixes(args, shape, need, limit, total, row or 0, ranks, fsdp,
                                                       utilisation if shared else None))
-        return {}
+        return {}  # nothing trains
     if row is None:
-        pf.add(check, SKIP, f"{detail}: fits {room}; the activations are projected once vLLM answers")
-        return {}
-    facts, cap = {}, ""
-    if shared:
-        facts["gpu_memory_fraction"] = fraction = min(1.0, (limit + torch.cuda.memory_reserved(0)) / total)
-        cap = (f"; the trainer is capped there at train start (torch.cuda.set_per_process_memory_fraction "
-               f"{fraction:.3f}), so it never grows into vLLM's share")
+        pf.add(check, SKIP, f"{detail}: fits {room}; the activations are projected once vLLM answers{cap}")
+        return facts
     if need * (1 + MEMORY_TOLERANCE) > limit:
         pf.add(check, WARN, f"{detail}, within {MEMORY_TOLERANCE:.0%} of {room}{cap}",
                memory_fixes(args, shape, need, limit, total, row, ranks, fsdp, utilisation if shared else None))

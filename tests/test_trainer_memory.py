@@ -203,6 +203,19 @@ def test_until_vllm_answers_the_static_part_alone_is_judged(script, qwen3, monke
     assert status == "FAIL" and "--use-peft" in fix, (detail, fix)
 
 
+@pytest.mark.parametrize("model, max_model_len", [("4b", None), ("missing", 32768)])
+def test_on_a_shared_card_the_trainer_is_capped_even_where_its_peak_is_not_projected(script, qwen3, monkeypatch,
+                                                                                     tmp_path, model, max_model_len):
+    # Before vLLM reports its context (no row yet), or with a --model whose config cannot be read here: the row
+    # skips the projection, but vLLM's share of the card is known, so the trainer still may not grow into it.
+    path = str(qwen3[model]) if model in qwen3 else str(tmp_path / "no-such-model")
+    status, detail, _, facts = memory_row(script, ["--model", path], max_model_len, ("ipc", 0.35), 100, 140,
+                                          monkeypatch)
+    assert status == "SKIP", detail
+    assert facts == {"gpu_memory_fraction": pytest.approx(90.5 / 140)}, detail
+    assert "90.5 GiB the trainer may use on cuda:0" in detail and "capped there at train start" in detail, detail
+
+
 # The README's table, cell by cell: what the row says for those flags on that card beside vLLM.
 TRAINING = {"full, float32": ([], "float32"), "LoRA r16, PEFT's default modules (q_proj v_proj)": (["--use-peft"],
             "r16-default"), "LoRA r16, all-linear": (["--use-peft", "--lora-target-modules", "all-linear"],
