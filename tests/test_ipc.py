@@ -207,6 +207,31 @@ def test_pushes_hand_every_parameter_over_once_in_bounded_chunks(ipc_rig, tiny_m
     assert stats["weight_version"] == before["weight_version"] + 2
 
 
+def test_merged_weights_stay_readable_until_vllm_finishes_the_update(make_rig, tiny_model):
+    # TRL starts each update in checkpoint format, so vLLM's layerwise reload may read what a chunk handed over only
+    # once its layer is complete, as late as /finish_weight_update: a copy (a merged LoRA weight, alive only while
+    # the client holds it) must last that long. The stand-in reads every chunk there.
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+
+    engine = make_rig(*IPC, "--lazy-load", harbor=False, engine_env=ALLOW_PICKLE)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    params = dict(_iter_vllm_named_params(model))
+    transfer = load_script().CudaIpcWeightTransfer(engine.engine_url, 60,
+                                                   chunk_bytes=max(t.nbytes for t in params.values()) // 3)
+    transfer.init_weight_transfer()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    transfer.pause()
+    transfer.send_weights((name, p.detach() + 0) for name, p in _iter_vllm_named_params(model))
+    transfer.resume()
+    assert len(engine.engine_stats()["pushes"][-1]["chunks"]) > 2
+    served = engine_weights(engine)
+    assert all(torch.equal(served[n], p) for n, p in model.state_dict().items())
+    assert transfer.sent == [], "the copies outlived the update"
+
+
 def test_parameters_go_zero_copy_in_their_own_dtype(ipc_rig, tiny_model):
     from transformers import AutoModelForCausalLM
     from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
