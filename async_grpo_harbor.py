@@ -1722,7 +1722,9 @@ def check_same_gpu(pf: Preflight, apps: dict[str, list[tuple[int, str, float]]] 
         pf.add("same GPU", WARN, "nvidia-smi is unavailable, so which GPU vLLM runs on is unknown: a push from "
                "another GPU fails at the first step", fix)
         return
-    if mine.startswith("mig-") or any(uuid.startswith("mig-") for uuid in apps):
+    mig = (mine.startswith("mig-") or " MIG " in f" {props.name} "
+           or os.environ.get("CUDA_VISIBLE_DEVICES", "").upper().startswith("MIG-"))
+    if mig or any(uuid.startswith("mig-") for uuid in apps):
         # A MIG instance's UUID is not its parent GPU's, and nvidia-smi lists processes by either: no comparison
         # of the two tells whether vLLM shares the trainer's instance.
         pf.add("same GPU", WARN, f"cuda:0 ({props.name}) is a MIG instance ({str(props.uuid)}): whether vLLM runs "
@@ -3046,8 +3048,9 @@ class CudaIpcWeightTransfer:
                 "and stays paused") from exc
         self.vllm.finish_weight_update(timeout=self.timeout)
         self.sent = []
-        # A shared block the trainer drops while vLLM still maps it waits in torch's IPC limbo; vLLM has let go of
-        # every one by now, so this returns them to the allocator instead of at the next allocation that misses.
+        # The copies just dropped wait in torch's IPC limbo until vLLM has closed its mappings of them too (its
+        # layerwise reload let go at finish_weight_update): this hands those back to the allocator now, instead of
+        # at the next allocation that finds no room.
         torch.cuda.ipc_collect()
 
     def _update(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
@@ -3056,7 +3059,9 @@ class CudaIpcWeightTransfer:
         # vLLM looks each handle up by its own device's str(uuid) and rebuilds it from reduce_tensor's args alone.
         handles = [{str(torch.cuda.get_device_properties(t.device).uuid):
                     torch.multiprocessing.reductions.reduce_tensor(t)[1]} for _, t in chunk]
-        # The handles are only descriptions: the memory stays valid while send_weights keeps the tensors (self.sent).
+        # torch counts vLLM's mappings of what it shares (a block the trainer drops waits in its IPC limbo until vLLM
+        # closes it too), but its contract is that the sender keeps each shared tensor while the receiver may use
+        # it: send_weights keeps them all (self.sent) until the update has finished.
         self.vllm.update_weights({
             "names": [name for name, _ in chunk], "shapes": [list(t.shape) for _, t in chunk],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],

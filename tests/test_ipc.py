@@ -151,17 +151,17 @@ def test_a_cpu_trainer_beside_an_ipc_vllm_is_refused(monkeypatch):
     assert rows["same GPU"][0] == "SKIP"
 
 
-@pytest.mark.parametrize("trainer, listed", [("MIG-6f2a0000-0000-4000-8000-000000000001", "0e1de000-0000-4000-8000-"
-                                                                                          "0000000000b2"),
-                                             ("0e1de000-0000-4000-8000-0000000000b2",
-                                              "mig-6f2a0000-0000-4000-8000-000000000002")])
-def test_under_mig_the_same_gpu_row_says_it_could_not_verify_instead_of_failing(monkeypatch, trainer, listed):
+@pytest.mark.parametrize("trainer, listed, name", [
+    ("MIG-6f2a0000-0000-4000-8000-000000000001", "0e1de000-0000-4000-8000-0000000000b2", "NVIDIA H200"),
+    ("0e1de000-0000-4000-8000-0000000000b2", "mig-6f2a0000-0000-4000-8000-000000000002", "NVIDIA H200"),
+    ("6f2a0000-0000-4000-8000-000000000001", "0e1de000-0000-4000-8000-0000000000b2", "NVIDIA H200 MIG 3g.71gb")])
+def test_under_mig_the_same_gpu_row_says_it_could_not_verify_instead_of_failing(monkeypatch, trainer, listed, name):
     # A MIG instance's UUID is not its parent GPU's; nvidia-smi may list vLLM under either.
     from types import SimpleNamespace
 
     script = load_script()
     monkeypatch.setattr(script.torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(uuid=trainer, name="NVIDIA H200 MIG 3g.71gb"))
+                        lambda device=None: SimpleNamespace(uuid=trainer, name=name))
     pf = script.Preflight()
     script.check_same_gpu(pf, {listed: [(999999, "VLLM::EngineCore", 40.0)]}, "http://127.0.0.1:8000")
     (check, status, detail, fix), = pf.rows
