@@ -1349,7 +1349,8 @@ def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | No
                    "nccl (vLLM on a GPU of its own) or ipc (vLLM on the trainer's GPU)",
                    "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}' (two GPUs) or "
                    "'{\"backend\":\"ipc\"}' with --host 127.0.0.1 (one GPU, shared)")
-        check_dtype(args, pf, str(model_config.get("dtype") or "").removeprefix("torch."))
+        served["dtype"] = str(model_config.get("dtype") or "").removeprefix("torch.") or None
+        check_dtype(args, pf, served["dtype"] or "")
         if args.use_peft and config.get("lora_config"):
             # TRL would then sync the adapter alone, registered as `trl-policy-vN`, which only its own worker asks
             # for: the capture proxy asks for the served model, so every rollout would sample the untrained base.
@@ -1400,6 +1401,14 @@ def check_ipc_engine(args: argparse.Namespace, pf: Preflight, vllm_env: dict[str
         pf.add("vLLM on loopback", WARN, f"--vllm-url is loopback, but no socket listening on port {port} is visible "
                "here (another network namespace?): whether vLLM is reachable beyond this host is unknown",
                "make sure vLLM runs with --host 127.0.0.1")
+    elif job := next((f"{name}={os.environ[name]}" for name in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+                      if os.environ.get(name)), None):
+        # Loopback keeps other hosts out, not the other users of this one: a scheduler's node runs their jobs too.
+        pf.add("vLLM on loopback", WARN, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
+               f"{port} only, but this host is shared ({job}: a scheduler's node, other users' jobs may run on it) "
+               f"and every local user reaches its loopback: {danger}",
+               "run the job on a node of its own (SLURM: --exclusive), or serve vLLM on a GPU of its own with "
+               "--weight-transfer-config '{\"backend\":\"nccl\"}', which unpickles nothing")
     else:
         pf.add("vLLM on loopback", PASS, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
                f"{port} only")
@@ -1543,6 +1552,8 @@ class TrainerShape(NamedTuple):
     layers: int
     hidden: int
     intermediate: int
+    merged: int = 0  # parameters of the base weights LoRA adapts: the copies a merged push makes of them
+    largest: int = 0  # elements of the largest tensor a push sends (the embeddings or the LM head)
 
 
 def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
@@ -1552,16 +1563,19 @@ def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
         return None
     config = AutoConfig.from_pretrained(args.model)
     text = config.get_text_config()
-    adapter = adapted = 0
+    adapter = adapted = merged = 0
     if args.use_peft:
         from peft.tuners.lora import LoraLayer
 
         model = lora_model(args)
         adapter = model.get_nb_trainable_parameters()[0]
-        adapted = sum(m.in_features for m in model.modules() if isinstance(m, LoraLayer)) // text.num_hidden_layers
+        layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        adapted = sum(m.in_features for m in layers) // text.num_hidden_layers
+        merged = sum(m.get_base_layer().weight.numel() for m in layers)
+    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
     return TrainerShape(model_shape(args.model)[0], torch.finfo(getattr(torch, dtype)).bits // 8, adapter, adapted,
-                        text.num_hidden_layers, text.hidden_size,
-                        getattr(text, "intermediate_size", None) or 4 * text.hidden_size)
+                        text.num_hidden_layers, text.hidden_size, intermediate, merged,
+                        text.hidden_size * max(text.vocab_size, intermediate))
 
 
 def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool,
@@ -1708,6 +1722,15 @@ def check_same_gpu(pf: Preflight, apps: dict[str, list[tuple[int, str, float]]] 
         pf.add("same GPU", WARN, "nvidia-smi is unavailable, so which GPU vLLM runs on is unknown: a push from "
                "another GPU fails at the first step", fix)
         return
+    mig = (mine.startswith("mig-") or " MIG " in f" {props.name} "
+           or os.environ.get("CUDA_VISIBLE_DEVICES", "").upper().startswith("MIG-"))
+    if mig or any(uuid.startswith("mig-") for uuid in apps):
+        # A MIG instance's UUID is not its parent GPU's, and nvidia-smi lists processes by either: no comparison
+        # of the two tells whether vLLM shares the trainer's instance.
+        pf.add("same GPU", WARN, f"cuda:0 ({props.name}) is a MIG instance ({str(props.uuid)}): whether vLLM runs "
+               "on the same GPU instance could not be verified; a push from another fails at the first step",
+               "start vLLM and this script with the same CUDA_VISIBLE_DEVICES=MIG-<UUID, nvidia-smi -L>")
+        return
     port = url_port(vllm_url)
     server = serving_processes(port) - {os.getpid()}
     how = f"the processes serving port {port}"
@@ -1731,9 +1754,20 @@ def check_same_gpu(pf: Preflight, apps: dict[str, list[tuple[int, str, float]]] 
 
 def check_trainer_gpus(pf: Preflight, backend: str | None = None, vllm_url: str = "") -> None:
     if not torch.cuda.is_available():
-        pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
-        if backend == "ipc":
-            pf.add("same GPU", SKIP, "no CUDA device visible: CUDA IPC needs the trainer on vLLM's GPU")
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+        # What a push hands vLLM: from a CPU trainer torch shares no CUDA memory (CPU tests stand in for it here).
+        if backend == "ipc" and reduce_tensor(torch.zeros(1))[0] is not rebuild_cuda_tensor:
+            pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer (torch {torch.__version__}, "
+                   f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}), but vLLM serves the "
+                   "ipc backend: CUDA IPC cannot push weights from a CPU trainer",
+                   "run this script on vLLM's GPU (CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>) with a CUDA "
+                   "build of torch (`uv run` installs it from this script's header)")
+            pf.add("same GPU", SKIP, "not compared: the trainer has no CUDA device (the trainer GPU row)")
+        else:
+            pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
+            if backend == "ipc":
+                pf.add("same GPU", SKIP, "no CUDA device visible: CUDA IPC needs the trainer on vLLM's GPU")
         pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
                "(kernels-community/flash-attn3), which has no CPU build")
         return
@@ -1821,8 +1855,12 @@ def check_attention_kernel(pf: Preflight) -> None:
 # adapts these per input feature (5.9-6.0: PEFT's dropout copy, its mask and their gradient).
 RECOMPUTE_FULL, RECOMPUTE_FROZEN, LORA_INPUT = 20, 13, 6
 # The weight push's staging copies: CUDA-IPC pushes bfloat16 copies in 1 GiB chunks (0.7-1.1 GiB over the trainer's
-# peak, measured on an H200); no push stages more than the served weights.
+# peak, measured on an H200); no push stages more than the served weights. A merged LoRA push over CUDA IPC keeps
+# every merged copy until vLLM's /finish_weight_update instead (CudaIpcWeightTransfer.send_weights says why).
 PUSH_STAGING = 2**30
+# vLLM loading a pushed tensor allocates beside its own share of the card: the tensor cast to its dtype where the
+# dtypes differ, and its loader's working copy; up to this many copies of the largest pushed tensor at vLLM's dtype.
+VLLM_PUSH_COPIES = 2
 # What torch's caching allocator does not count on the trainer's GPU (kernels' code, library handles, NCCL's buffers):
 # a cap on the allocator has to leave it free.
 OUTSIDE_ALLOCATOR = 2**29
@@ -1834,6 +1872,12 @@ MEMORY_TOLERANCE = 0.05
 # The tokens a rollout starts with (system prompt + task) when a row is planned as prompt + turns x tokens per turn
 # (README: Capacity; the rig's mini-swe-agent prompt is ~1.1k).
 PROMPT_TOKENS = 1500
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a torch dtype by name ("bfloat16"); 2 where torch has no such dtype."""
+    dtype = getattr(torch, name, None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 2
 
 
 def gib(n: float) -> str:
@@ -1859,8 +1903,11 @@ def longest_row(args: argparse.Namespace, max_model_len: int | None) -> int | No
     return max_model_len if budget is None else args.config.per_device_train_batch_size * max_model_len
 
 
-def trainer_peak(shape: TrainerShape, row: int, ranks: int = 1, fsdp: bool = False) -> dict[str, int]:
-    """Peak bytes torch's allocator holds on one trainer GPU in an optimizer step over a `row`-token row, by part.
+def trainer_peak(shape: TrainerShape, row: int, ranks: int = 1, fsdp: bool = False, backend: str | None = None,
+                 served_width: int = 2) -> dict[str, int]:
+    """Peak bytes torch's allocator holds on one trainer GPU in an optimizer step over a `row`-token row, by part;
+    on a GPU vLLM shares (`backend` ipc), with what vLLM allocates beside its share while it loads a push of
+    `served_width`-byte weights.
 
     Gradient checkpointing keeps every layer's input (at the weights' width: embeddings and norms run outside bf16
     autocast) until backward, which frees them layer by layer while it adds that layer's gradients: the peak holds the
@@ -1878,15 +1925,18 @@ def trainer_peak(shape: TrainerShape, row: int, ranks: int = 1, fsdp: bool = Fal
              # accelerate's DDP copies every gradient into its buckets (gradient_as_bucket_view off)
              "DDP buckets": grads if ranks > 1 and not fsdp else 0,
              "layer recomputed": row * (recompute + LORA_INPUT * shape.adapted_inputs),
-             "push staging": min(PUSH_STAGING, 2 * shape.params)}
+             "push staging": max(min(PUSH_STAGING, 2 * shape.params),
+                                 shape.merged * shape.width if lora and backend == "ipc" else 0),
+             "vLLM's push copies": VLLM_PUSH_COPIES * shape.largest * served_width if backend == "ipc" else 0}
     return {part: n for part, n in parts.items() if n}
 
 
-def longest_fitting_row(shape: TrainerShape, limit: int, ranks: int, fsdp: bool, upto: int) -> int:
+def longest_fitting_row(shape: TrainerShape, limit: int, ranks: int, fsdp: bool, upto: int, **push: Any) -> int:
     low, high = 0, upto
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if sum(trainer_peak(shape, mid, ranks, fsdp).values()) <= limit else (low, mid - 1)
+        fits = sum(trainer_peak(shape, mid, ranks, fsdp, **push).values()) <= limit
+        low, high = (mid, high) if fits else (low, mid - 1)
     return low
 
 
@@ -1897,16 +1947,41 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
 
     On a GPU vLLM shares (the ipc backend) that is what vLLM's --gpu-memory-utilization leaves of the card's total:
     vLLM sized its KV cache and activations to that share at start and need not hold all of it at every moment. The
-    plan then caps the trainer there (train() applies it), so it never grows into vLLM's share.
+    plan then caps the trainer there (train() applies it), so it never grows into vLLM's share, whether or not its
+    peak could be projected.
     """
     check = "trainer memory"
+    memory = gpu_memory()
+    engine = engine or ((served or {}).get("weight_transfer"), (served or {}).get("gpu_memory_utilization"))
+    backend, utilisation = engine
+    shared = backend == "ipc"
+    facts, cap, room, limit, total = {}, "", "", 0, 0
+    if memory is not None:
+        free, total = memory
+        usable = min(free, int(total * (1 - utilisation))) if shared and utilisation else free
+        limit = usable - OUTSIDE_ALLOCATOR
+        vllm = (f"; vLLM shares this GPU and sized itself to --gpu-memory-utilization {utilisation:g} x {gib(total)} = "
+                f"{gib(utilisation * total)}" if shared and utilisation else "")
+        room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}{vllm}; "
+                f"{gib(OUTSIDE_ALLOCATOR)} left for what torch's allocator does not count)")
+    served_width = dtype_bytes(str((served or {}).get("dtype") or "bfloat16"))
+    push = {"backend": backend, "served_width": served_width}
+    # vLLM's own copies while it loads a push come out of the same room: the trainer is capped below them.
+    beside = trainer_peak(shape, 0, **push).get("vLLM's push copies", 0) if shape else 0
+    if memory is not None and shared:
+        facts["gpu_memory_fraction"] = fraction = min(1.0, max(0, limit - beside + torch.cuda.memory_reserved(0))
+                                                      / total)
+        cap = (f"; the trainer is capped there at train start (torch.cuda.set_per_process_memory_fraction "
+               f"{fraction:.3f}{f', less {gib(beside)} for vLLM to load a push' if beside else ''}), so it never "
+               "grows into vLLM's share")
     if shape is None:
-        pf.add(check, SKIP, f"not projected: {model_shape_error(args) or '--dtype auto: its dtype is unknown'}")
-        return {}
+        pf.add(check, SKIP, f"not projected: {model_shape_error(args) or '--dtype auto: its dtype is unknown'}"
+               + (f"; {room}{cap}" if cap else ""))
+        return facts
     row = longest_row(args, served and served.get("max_model_len"))
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
-    parts = trainer_peak(shape, row or 0, ranks, fsdp)
+    parts = trainer_peak(shape, row or 0, ranks, fsdp, **push)
     need = sum(parts.values())
     dtype = trainer_dtype(args)
     what = (f"LoRA r {args.lora_r} on a frozen {dtype} base" if shape.adapter else f"full fine-tune, {dtype} weights")
@@ -1915,36 +1990,21 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
     rows = (f"a {row:,}-token row (TRL packs rollouts up to its token budget, here {budget})" if row
             else "the static part alone (the row is TRL's token budget, vLLM's max_model_len: unknown)")
     detail = f"projected peak {gib(need)} for {rows}, {what}: {', '.join(f'{k} {gib(n)}' for k, n in parts.items())}"
-    memory = gpu_memory()
     if memory is None:
         pf.add(check, SKIP, f"{detail}; no GPU to compare against (the trainer runs on CPU)")
         return {}
-    free, total = memory
-    engine = engine or ((served or {}).get("weight_transfer"), (served or {}).get("gpu_memory_utilization"))
-    backend, utilisation = engine
-    shared = backend == "ipc"
-    usable = min(free, int(total * (1 - utilisation))) if shared and utilisation else free
-    limit = usable - OUTSIDE_ALLOCATOR
-    vllm = (f"; vLLM shares this GPU and sized itself to --gpu-memory-utilization {utilisation:g} x {gib(total)} = "
-            f"{gib(utilisation * total)}" if shared and utilisation else "")
-    room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}{vllm}; "
-            f"{gib(OUTSIDE_ALLOCATOR)} left for what torch's allocator does not count)")
     if need > limit:
         pf.add(check, FAIL, f"{detail} > {room}: training would run out of GPU memory at its first step, after a "
                "group of paid rollouts", memory_fixes(args, shape, need, limit, total, row or 0, ranks, fsdp,
-                                                      utilisation if shared else None))
-        return {}
+                                                      utilisation if shared else None, **push))
+        return {}  # nothing trains
     if row is None:
-        pf.add(check, SKIP, f"{detail}: fits {room}; the activations are projected once vLLM answers")
-        return {}
-    facts, cap = {}, ""
-    if shared:
-        facts["gpu_memory_fraction"] = fraction = min(1.0, (limit + torch.cuda.memory_reserved(0)) / total)
-        cap = (f"; the trainer is capped there at train start (torch.cuda.set_per_process_memory_fraction "
-               f"{fraction:.3f}), so it never grows into vLLM's share")
+        pf.add(check, SKIP, f"{detail}: fits {room}; the activations are projected once vLLM answers{cap}")
+        return facts
     if need * (1 + MEMORY_TOLERANCE) > limit:
         pf.add(check, WARN, f"{detail}, within {MEMORY_TOLERANCE:.0%} of {room}{cap}",
-               memory_fixes(args, shape, need, limit, total, row, ranks, fsdp, utilisation if shared else None))
+               memory_fixes(args, shape, need, limit, total, row, ranks, fsdp, utilisation if shared else None,
+                            **push))
     else:
         pf.add(check, PASS, f"{detail}; fits {room}, {gib(limit - need)} to spare{cap}")
     return facts
@@ -1960,11 +2020,11 @@ def vllm_floor(args: argparse.Namespace, shape: TrainerShape, tokens: int) -> in
 
 
 def memory_fixes(args: argparse.Namespace, shape: TrainerShape, need: int, limit: int, total: int, row: int,
-                 ranks: int, fsdp: bool, utilisation: float | None) -> str:
+                 ranks: int, fsdp: bool, utilisation: float | None, **push: Any) -> str:
     """The concrete ways to bring the projection under `limit` with MEMORY_TOLERANCE to spare, each with its
     numbers."""
     fixes = []
-    fits = longest_fitting_row(shape, int(limit / (1 + MEMORY_TOLERANCE)), ranks, fsdp, row)
+    fits = longest_fitting_row(shape, int(limit / (1 + MEMORY_TOLERANCE)), ranks, fsdp, row, **push)
     tokens = fits // 1024 * 1024
     if tokens >= PROMPT_TOKENS + args.max_completion_length:
         steps = min(args.agent_step_limit, (tokens - PROMPT_TOKENS) // args.max_completion_length)
@@ -1981,7 +2041,7 @@ def memory_fixes(args: argparse.Namespace, shape: TrainerShape, need: int, limit
                          "sequence's KV cache and its buffers)")
     if not args.use_peft:
         lora = trainer_shape(argparse.Namespace(**{**vars(args), "use_peft": True, "dtype": "bfloat16"}))
-        peak = lora and sum(trainer_peak(lora, row, ranks, fsdp).values())
+        peak = lora and sum(trainer_peak(lora, row, ranks, fsdp, **push).values())
         if peak and peak * (1 + MEMORY_TOLERANCE) <= limit:
             fixes.append(f"--use-peft (LoRA r {args.lora_r} on a bfloat16 base: {gib(peak)} projected for this row)")
     return "; or ".join(fixes) or "train on a GPU with more free memory, or shard the trainer with FSDP (README: SLURM)"
@@ -2910,8 +2970,8 @@ def stop_batch_on_preempt(batches, num_processes: int):
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
-# A push's tensors are handed over in chunks of at most this many bytes (or one larger tensor): the copies among them
-# (merged LoRA weights) are what a push adds to the trainer's peak. vLLM's own IPC trainer stages 1 GiB at a time too.
+# A push's tensors are handed over in chunks of at most this many bytes (or one larger tensor), one POST
+# /update_weights each, as vLLM's own IPC trainer stages 1 GiB at a time.
 IPC_CHUNK_BYTES = 1 << 30
 
 
@@ -2927,6 +2987,7 @@ class CudaIpcWeightTransfer:
 
     def __init__(self, vllm_url: str, weight_sync_timeout: float, chunk_bytes: int = IPC_CHUNK_BYTES):
         self.vllm, self.timeout, self.chunk_bytes = VLLMClient(vllm_url), weight_sync_timeout, chunk_bytes
+        self.sent: list[torch.Tensor] = []
 
     def init_weight_transfer(self) -> None:
         self.vllm.wait_for_server_ready()
@@ -2943,6 +3004,13 @@ class CudaIpcWeightTransfer:
 
     def send_weights(self, iterator) -> None:
         self.vllm.start_weight_update(timeout=WeightTransferClient._CONTROL_TIMEOUT)
+        # Every tensor handed over stays referenced here until /finish_weight_update has answered. torch's CUDA-IPC
+        # contract: the sender keeps a shared tensor as long as the receiver may use it, and vLLM may past its
+        # chunk's answer (TRL starts the update in checkpoint format, so vLLM's layerwise reload buffers what it
+        # received until each of its layers is complete, or until finish_weight_update for those that never are).
+        # A parameter costs nothing to keep (it goes zero-copy); a merged LoRA weight is a copy, and keeping all of
+        # them is what the trainer-memory row counts as a merged push's staging.
+        self.sent = []
         try:
             chunk, size = [], 0
             for name, tensor in iterator:
@@ -2951,12 +3019,14 @@ class CudaIpcWeightTransfer:
                     self._update(chunk)
                     chunk, size = [], 0
                 chunk.append((name, tensor))
+                self.sent.append(tensor)
                 size += tensor.nbytes
             if chunk:
                 self._update(chunk)
         except Exception as exc:
             with contextlib.suppress(Exception):  # best effort, as TRL's client: the error below matters
                 self.vllm.finish_weight_update(timeout=self.timeout)
+            self.sent = []
             if "VLLM_ALLOW_INSECURE_SERIALIZATION" in str(exc):
                 raise WeightTransferRefused(
                     "vLLM refused the weight push: its ipc backend unpickles the CUDA-IPC handles only when started "
@@ -2968,10 +3038,20 @@ class CudaIpcWeightTransfer:
                     f"vLLM runs on another GPU than the trainer ({found[0]}): CUDA IPC reaches only the same "
                     f"physical GPU; start this script with CUDA_VISIBLE_DEVICES=GPU-"
                     f"{found[1].lower().removeprefix('gpu-')}") from exc
-            raise RuntimeError(f"weight push to vLLM at {self.vllm.server_url} over CUDA IPC failed: it keeps the "
-                               "weights it loaded so far and stays paused") from exc
+            # vLLM 0.26 answers a failed push with a bare 500: its cause is only in vLLM's own log.
+            answer = " ".join(str(exc).split())[:300]
+            raise WeightTransferRefused(
+                f"weight push to vLLM at {self.vllm.server_url} over CUDA IPC failed ({answer}); the cause is in "
+                "vLLM's server log (the output of `vllm serve`); most likely vLLM runs without "
+                "VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment, or on another GPU than the trainer (compare "
+                "`nvidia-smi -L` with this script's CUDA_VISIBLE_DEVICES); vLLM keeps the weights it loaded so far "
+                "and stays paused") from exc
         self.vllm.finish_weight_update(timeout=self.timeout)
-        torch.cuda.ipc_collect()  # frees the copies vLLM held past their chunk's answer
+        self.sent = []
+        # The copies just dropped wait in torch's IPC limbo until vLLM has closed its mappings of them too (its
+        # layerwise reload let go at finish_weight_update): this hands those back to the allocator now, instead of
+        # at the next allocation that finds no room.
+        torch.cuda.ipc_collect()
 
     def _update(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
         # vLLM reads the memory from its own process: every copy and merge queued on this one must have landed.
@@ -2979,7 +3059,9 @@ class CudaIpcWeightTransfer:
         # vLLM looks each handle up by its own device's str(uuid) and rebuilds it from reduce_tensor's args alone.
         handles = [{str(torch.cuda.get_device_properties(t.device).uuid):
                     torch.multiprocessing.reductions.reduce_tensor(t)[1]} for _, t in chunk]
-        # The handles do not keep the memory alive: `chunk` does, until vLLM has answered (it loads before it does).
+        # torch counts vLLM's mappings of what it shares (a block the trainer drops waits in its IPC limbo until vLLM
+        # closes it too), but its contract is that the sender keeps each shared tensor while the receiver may use
+        # it: send_weights keeps them all (self.sent) until the update has finished.
         self.vllm.update_weights({
             "names": [name for name, _ in chunk], "shapes": [list(t.shape) for _, t in chunk],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
@@ -3337,7 +3419,7 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
         trainer.train(resume_from_checkpoint=plan["resume"])
     except Preempted:
         pass  # every rank raised it at the same batch; unwinding ran TRL's cleanup (rollout child, server sessions)
-    except WeightTransferRefused as exc:  # at the first push, before any rollout: nothing to resume
+    except WeightTransferRefused as exc:  # fixed where vLLM runs (mostly at the first push, before any rollout)
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:

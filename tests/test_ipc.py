@@ -124,6 +124,51 @@ def test_two_trainer_ranks_are_refused_on_every_rank(ipc_rig, tmp_path):
     assert "Traceback" not in stdout + stderr
 
 
+def test_on_a_shared_host_a_loopback_vllm_is_still_flagged(ipc_rig, tmp_path):
+    # A SLURM node runs other users' jobs: each of them reaches 127.0.0.1, and so vLLM's unpickling.
+    proc = run_main([*ipc_rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--check"], cwd=tmp_path,
+                    SLURM_JOB_ID="4242")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status, detail = table(proc.stdout)["vLLM on loopback"]
+    assert status == "WARN" and "this host is shared (SLURM_JOB_ID=4242" in detail, detail
+    assert "every local user reaches its loopback" in detail and "can run code as vLLM's user" in detail, detail
+    assert "fix: run the job on a node of its own (SLURM: --exclusive)" in proc.stdout
+
+
+def test_a_cpu_trainer_beside_an_ipc_vllm_is_refused(monkeypatch):
+    # This test process stands in for CUDA IPC (tests/rig/cpu_trainer.py, (f)); a CPU trainer without it shares no
+    # CUDA memory at all.
+    from torch.multiprocessing import reductions
+
+    monkeypatch.setattr(reductions, "reduce_tensor", reductions.reduce_tensor._agh_original)
+    script = load_script()
+    pf = script.Preflight()
+    script.check_trainer_gpus(pf, "ipc", "http://127.0.0.1:8000")
+    rows = {check: (status, detail, fix) for check, status, detail, fix in pf.rows}
+    status, detail, fix = rows["trainer GPU"]
+    assert status == "FAIL" and "CUDA IPC cannot push weights from a CPU trainer" in detail, detail
+    assert "run this script on vLLM's GPU" in fix, fix
+    assert rows["same GPU"][0] == "SKIP"
+
+
+@pytest.mark.parametrize("trainer, listed, name", [
+    ("MIG-6f2a0000-0000-4000-8000-000000000001", "0e1de000-0000-4000-8000-0000000000b2", "NVIDIA H200"),
+    ("0e1de000-0000-4000-8000-0000000000b2", "mig-6f2a0000-0000-4000-8000-000000000002", "NVIDIA H200"),
+    ("6f2a0000-0000-4000-8000-000000000001", "0e1de000-0000-4000-8000-0000000000b2", "NVIDIA H200 MIG 3g.71gb")])
+def test_under_mig_the_same_gpu_row_says_it_could_not_verify_instead_of_failing(monkeypatch, trainer, listed, name):
+    # A MIG instance's UUID is not its parent GPU's; nvidia-smi may list vLLM under either.
+    from types import SimpleNamespace
+
+    script = load_script()
+    monkeypatch.setattr(script.torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(uuid=trainer, name=name))
+    pf = script.Preflight()
+    script.check_same_gpu(pf, {listed: [(999999, "VLLM::EngineCore", 40.0)]}, "http://127.0.0.1:8000")
+    (check, status, detail, fix), = pf.rows
+    assert (check, status) == ("same GPU", "WARN"), (status, detail)
+    assert "could not be verified" in detail and "MIG-<UUID" in fix, (detail, fix)
+
+
 # ---- the pushes, driven as TRL's trainer drives a WeightTransferProtocol
 @pytest.fixture(autouse=True)
 def accelerate_state():
@@ -160,6 +205,31 @@ def test_pushes_hand_every_parameter_over_once_in_bounded_chunks(ipc_rig, tiny_m
         assert push == [*SYNC_ORDER[:2], *["update_weights"] * len(record["chunks"]), *SYNC_ORDER[3:]], push
         assert_whole_push(record, params, bound)
     assert stats["weight_version"] == before["weight_version"] + 2
+
+
+def test_merged_weights_stay_readable_until_vllm_finishes_the_update(make_rig, tiny_model):
+    # TRL starts each update in checkpoint format, so vLLM's layerwise reload may read what a chunk handed over only
+    # once its layer is complete, as late as /finish_weight_update: a copy (a merged LoRA weight, alive only while
+    # the client holds it) must last that long. The stand-in reads every chunk there.
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+
+    engine = make_rig(*IPC, "--lazy-load", harbor=False, engine_env=ALLOW_PICKLE)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    params = dict(_iter_vllm_named_params(model))
+    transfer = load_script().CudaIpcWeightTransfer(engine.engine_url, 60,
+                                                   chunk_bytes=max(t.nbytes for t in params.values()) // 3)
+    transfer.init_weight_transfer()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    transfer.pause()
+    transfer.send_weights((name, p.detach() + 0) for name, p in _iter_vllm_named_params(model))
+    transfer.resume()
+    assert len(engine.engine_stats()["pushes"][-1]["chunks"]) > 2
+    served = engine_weights(engine)
+    assert all(torch.equal(served[n], p) for n, p in model.state_dict().items())
+    assert transfer.sent == [], "the copies outlived the update"
 
 
 def test_parameters_go_zero_copy_in_their_own_dtype(ipc_rig, tiny_model):
@@ -207,6 +277,24 @@ def test_a_push_refused_for_pickle_names_the_variable_and_the_restart(make_rig, 
     assert "--weight-transfer-config '{\"backend\":\"ipc\"}'" in str(refused.value)
     stats = engine.engine_stats()
     assert stats["weight_sync"][-1] == "finish_weight_update" and stats["weight_version"] == 0
+
+
+def test_a_push_vllm_refuses_without_a_message_names_its_log_and_the_likely_causes(make_rig, tiny_model):
+    # vLLM 0.26 answers a push its workers refused with a bare 500: the cause is only in vLLM's own log.
+    from transformers import AutoModelForCausalLM
+
+    engine = make_rig(*IPC, "--bare-errors", harbor=False)  # VLLM_ALLOW_INSECURE_SERIALIZATION unset
+    script = load_script()
+    transfer = script.CudaIpcWeightTransfer(engine.engine_url, 60)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    transfer.init_weight_transfer()
+    transfer.pause()
+    with pytest.raises(script.WeightTransferRefused) as refused:
+        transfer.send_weights((n, p.detach()) for n, p in model.named_parameters())
+    message = str(refused.value)
+    assert "\n" not in message and "Internal Server Error" in message, message
+    for needle in ("vLLM's server log", "VLLM_ALLOW_INSECURE_SERIALIZATION=1", "on another GPU than the trainer"):
+        assert needle in message, message
 
 
 # ---- training

@@ -153,16 +153,18 @@ def test_a_trainer_that_fits_passes_and_without_a_gpu_the_projection_is_still_pr
 
 def test_on_a_gpu_vllm_shares_the_trainer_may_use_only_what_vllm_leaves_and_is_capped_there(script, qwen3,
                                                                                           monkeypatch):
-    # Qwen3-4B, float32 full fine-tune, 32k rows (68.4 GiB) on one H200 beside vLLM. vLLM sized itself to 0.35 of the
+    # Qwen3-4B, float32 full fine-tune, 32k rows (69.9 GiB with the push) on one H200 beside vLLM. vLLM sized itself to 0.35 of the
     # card, but holds less right now: the trainer still may not take vLLM's share.
     model = ["--model", str(qwen3["4b"])]
     status, detail, _, facts = memory_row(script, model, 32768, ("ipc", 0.35), 100, 140, monkeypatch)
     assert status == "PASS", detail
     assert ("fits 90.5 GiB the trainer may use on cuda:0 (100.0 GiB free of 140.0 GiB; vLLM shares this GPU and sized "
             "itself to --gpu-memory-utilization 0.35 x 140.0 GiB = 49.0 GiB; 0.5 GiB left") in detail, detail
-    assert facts == {"gpu_memory_fraction": pytest.approx(90.5 / 140)}
-    assert "capped there at train start (torch.cuda.set_per_process_memory_fraction 0.646), so it never grows into " \
-           "vLLM's share" in detail
+    # ... less what vLLM allocates beside its share to load a push: the trainer must leave that free too.
+    assert "vLLM's push copies 1.4 GiB" in detail, detail
+    assert facts == {"gpu_memory_fraction": pytest.approx((90.5 - QWEN3_4B_VLLM_COPIES_GIB) / 140)}
+    assert "capped there at train start (torch.cuda.set_per_process_memory_fraction 0.636, less 1.4 GiB for vLLM to " \
+           "load a push), so it never grows into vLLM's share" in detail, detail
     # vLLM at 0.6: 55.5 GiB left, less than the static 61 GiB; no row length helps, a lower share or LoRA does.
     status, detail, fix, facts = memory_row(script, model, 32768, ("ipc", 0.6), 55, 140, monkeypatch)
     assert status == "FAIL" and facts == {}, detail
@@ -203,12 +205,46 @@ def test_until_vllm_answers_the_static_part_alone_is_judged(script, qwen3, monke
     assert status == "FAIL" and "--use-peft" in fix, (detail, fix)
 
 
+@pytest.mark.parametrize("model, max_model_len", [("4b", None), ("missing", 32768)])
+def test_on_a_shared_card_the_trainer_is_capped_even_where_its_peak_is_not_projected(script, qwen3, monkeypatch,
+                                                                                     tmp_path, model, max_model_len):
+    # Before vLLM reports its context (no row yet), or with a --model whose config cannot be read here: the row
+    # skips the projection, but vLLM's share of the card is known, so the trainer still may not grow into it.
+    path = str(qwen3[model]) if model in qwen3 else str(tmp_path / "no-such-model")
+    status, detail, _, facts = memory_row(script, ["--model", path], max_model_len, ("ipc", 0.35), 100, 140,
+                                          monkeypatch)
+    assert status == "SKIP", detail
+    copies = QWEN3_4B_VLLM_COPIES_GIB if model in qwen3 else 0  # unknown without --model's config
+    assert facts == {"gpu_memory_fraction": pytest.approx((90.5 - copies) / 140)}, detail
+    assert "90.5 GiB the trainer may use on cuda:0" in detail and "capped there at train start" in detail, detail
+
+
+def test_a_push_on_a_shared_card_counts_vllms_copies_and_every_merged_weight(script, qwen3):
+    # vLLM casts and loads each pushed tensor beside its own share: up to two copies of the largest at its dtype.
+    full = script.trainer_shape(script.parse_args(["--model", str(qwen3["4b"])]))
+    shared, alone = script.trainer_peak(full, 32768, backend="ipc"), script.trainer_peak(full, 32768, backend="nccl")
+    assert shared["vLLM's push copies"] == 2 * 151936 * 2560 * 2
+    assert script.trainer_peak(full, 32768, backend="ipc", served_width=4)["vLLM's push copies"] == 2 * 151936 * 2560 * 4
+    assert "vLLM's push copies" not in alone, "vLLM on a GPU of its own: its copies take none of the trainer's"
+    assert shared["push staging"] == alone["push staging"] == GIB  # float32 parameters go zero-copy or in 1 GiB
+    # A merged LoRA push over CUDA IPC keeps every merged copy until vLLM finishes the update.
+    lora = script.trainer_shape(script.parse_args(["--model", str(qwen3["8b"]), "--use-peft", "--lora-target-modules",
+                                                   "all-linear"]))
+    per_layer = 4096 * (32 * 128 + 2 * 8 * 128 + 32 * 128) + 3 * 4096 * 12288  # q k v o, gate up down
+    assert lora.merged == 36 * per_layer
+    assert script.trainer_peak(lora, 8192, backend="ipc")["push staging"] == 36 * per_layer * 2
+    assert script.trainer_peak(lora, 8192, backend="nccl")["push staging"] == GIB
+
+
 # The README's table, cell by cell: what the row says for those flags on that card beside vLLM.
 TRAINING = {"full, float32": ([], "float32"), "LoRA r16, PEFT's default modules (q_proj v_proj)": (["--use-peft"],
             "r16-default"), "LoRA r16, all-linear": (["--use-peft", "--lora-target-modules", "all-linear"],
                                                      "r16-all-linear")}
 CARDS_MIB = {"H200": 143771, "H100 80GB": 81559}  # nvidia-smi's total memory
 CUDA_CONTEXT_GIB = 0.5  # the trainer's own, taken before the row reads free memory
+# What vLLM allocates beside its share loading a push of Qwen3-4B: two bfloat16 copies of its largest tensor, the
+# 151,936 x 2,560 embeddings.
+QWEN3_4B_VLLM_COPIES_GIB = 2 * 151936 * 2560 * 2 / GIB
 
 
 def test_the_readme_table_of_what_fits_one_card_is_what_the_row_says(script, qwen3, monkeypatch):
@@ -228,8 +264,8 @@ def test_the_readme_table_of_what_fits_one_card_is_what_the_row_says(script, qwe
         got, detail, _, _ = memory_row(script, ["--model", str(qwen3[shape]), *flags], row, ("ipc", utilisation),
                                        (1 - utilisation) * total - CUDA_CONTEXT_GIB, total, monkeypatch)
         parts = script.trainer_peak(script.trainer_shape(script.parse_args(["--model", str(qwen3[shape]), *flags])),
-                                    row)
-        peak, push = sum(parts.values()) / GIB, parts["push staging"] / GIB
+                                    row, backend="ipc")
+        peak, push = sum(parts.values()) / GIB, (parts["push staging"] + parts["vLLM's push copies"]) / GIB
         cells = f"{peak:.1f} ({peak - push:.1f} + {push:.1f} push)"
         assert (projected, status) == (cells, got), (model, training, tokens, card, detail)
         assert f"{may_use} GiB the trainer may use" in detail, (model, training, tokens, card, detail)

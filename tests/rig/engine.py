@@ -31,9 +31,11 @@ Impersonates `vllm serve DIR --served-model-name NAME --logprobs-mode processed_
   `/finish_weight_update` each `/update_weights` is decoded as vLLM's `parse_update_info` decodes it (base64 ->
   pickle, refused unless the engine's environment has VLLM_ALLOW_INSECURE_SERIALIZATION=1, as vLLM's) into one
   {gpu uuid: reduce_tensor args} per tensor, each rebuilt as vLLM's receive path does (its device index replaced)
-  and loaded into the model; the weight version moves at `/finish_weight_update`. A handle is the rig's CPU stand-in
+  and loaded into the model (with `--lazy-load`: only at `/finish_weight_update`, as vLLM's layerwise reload may read
+  what a layer not yet complete received); the weight version moves at `/finish_weight_update`. A handle is the rig's CPU stand-in
   for CUDA IPC (tests/rig/cpu_trainer.py, (e)). Failures answer as vLLM's collective_rpc does: 500, "Call to
-  collective_rpc method failed: ...". `/stand_in/stats` lists every weight-sync call in order (`weight_sync`, the
+  collective_rpc method failed: ..."; with `--bare-errors`, as vLLM 0.26's does: a bare 500, "Internal Server
+  Error". `/stand_in/stats` lists every weight-sync call in order (`weight_sync`, the
   query kept: `pause?mode=keep`) and each push's chunks as decoded (`pushes`).
 * `GET /stand_in/weights`: the model's state dict, `safetensors.torch.save`d, for tests to compare with the trainer's.
 * `GET /stand_in/stats`: every chat request's sampling params and served token counts, for tests to assert on.
@@ -120,6 +122,10 @@ class EngineDead(HTTPError):
     """vLLM's EngineDeadError: answered as a 500, then its API server shuts down."""
 
 
+class BareServerError(HTTPError):
+    """vLLM 0.26's answer to a weight-sync call that failed in its workers: a 500 whose body says nothing more."""
+
+
 # vLLM 0.29's IPCWeightTransferUpdateInfo fields (0.26 adds `packed`, which 0.29 refuses).
 IPC_UPDATE_FIELDS = {"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes"}
 
@@ -127,8 +133,9 @@ IPC_UPDATE_FIELDS = {"names", "dtype_names", "shapes", "ipc_handles", "ipc_handl
 class Engine:
     def __init__(self, model_dir, served_name, policy, token_ids=True, max_model_len=32768,
                  logprobs_mode="processed_logprobs", tool_parser=True, weight_transfer=None, dtype="auto",
-                 enable_lora=False, gpu_uuid=RIG_GPU_UUID):
+                 enable_lora=False, gpu_uuid=RIG_GPU_UUID, bare_errors=False, lazy_load=False):
         self.model_dir, self.served_name = str(model_dir), served_name
+        self.bare_errors, self.lazy_load = bare_errors, lazy_load
         self.logprobs_mode, self.tool_parser, self.weight_transfer = logprobs_mode, tool_parser, weight_transfer
         # vLLM's context length: the trainer's default token budget per micro-batch, so it decides samples per step.
         self.max_model_len = max_model_len
@@ -332,6 +339,8 @@ class Engine:
             except HTTPError:
                 raise
             except Exception as exc:  # what vLLM's engine core answers for any worker-side failure
+                if self.bare_errors:
+                    raise BareServerError(500, "Internal Server Error") from exc
                 raise HTTPError(500, f"Call to collective_rpc method failed: {exc}") from exc
         return {"status": "ok"}
 
@@ -353,8 +362,14 @@ class Engine:
             raise HTTPError(400, "Missing 'update_info' in request body")
         if self.push is None:
             raise RuntimeError("start_weight_update must be called before update_weights.")
+        if self.lazy_load:  # as vLLM's layerwise reload may: kept, and read once the update finishes
+            self.push.setdefault("deferred", []).append(dict(body["update_info"]))
+            return
+        self._load_update(dict(body["update_info"]))
+
+    def _load_update(self, update: dict) -> None:
         try:
-            names, weights = self._parse_update_info(dict(body["update_info"]))
+            names, weights = self._parse_update_info(update)
             with self.model_lock:  # vLLM's load_weights: each parameter's loader copies (and casts) into it
                 params = dict(self.model.named_parameters())
                 for name, weight in zip(names, weights):
@@ -409,6 +424,8 @@ class Engine:
     def ipc_finish_weight_update(self, body: dict) -> None:
         if self.push is None:
             raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
+        for update in self.push.pop("deferred", []):
+            self._load_update(update)
         with self.model_lock:
             self.weight_version += 1
         with self.state_lock:
@@ -569,6 +586,8 @@ def _handler(engine: Engine, dev_mode: bool):
                 if produce is None:
                     raise HTTPError(404, f"no route {self.command} {self.path}")
                 status, payload = 200, produce()
+            except BareServerError as exc:
+                status, payload = exc.status, str(exc).encode()
             except HTTPError as exc:
                 failure, status, payload = exc, exc.status, _error(exc.status, str(exc))
             except Exception as exc:  # noqa: BLE001 - a bad request must not kill the engine under test
@@ -614,13 +633,17 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu-uuid", default=RIG_GPU_UUID, help="the GPU the engine stands on (the trainer's: "
                                                                   "tests/rig/cpu_trainer.py's RIG_GPU_UUID)")
     parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--bare-errors", action="store_true", help="answer a failed weight-sync call as vLLM 0.26 "
+                        "does: a 500 with no message (the cause only in the server's log)")
+    parser.add_argument("--lazy-load", action="store_true", help="ipc: read what each /update_weights hands over only "
+                        "at /finish_weight_update, as vLLM's layerwise reload may for a layer not yet complete")
     args = parser.parse_args(argv)
     policy = json.load(open(args.policy)) if args.policy else {}
     torch.set_num_threads(1)  # the trainer shares this CPU; a tiny model gains nothing from more threads
     engine = Engine(args.model_dir, args.served_name, policy, not args.no_token_ids,
                     args.max_model_len, args.logprobs_mode, not args.no_tool_parser,
                     None if args.no_weight_transfer else json.loads(args.weight_transfer_config), args.dtype,
-                    args.enable_lora, args.gpu_uuid)
+                    args.enable_lora, args.gpu_uuid, args.bare_errors, args.lazy_load)
     server = ThreadingHTTPServer((args.host, args.port), _handler(engine, not args.no_dev_mode))
     print(f"stand-in engine serving {args.served_name} on http://{args.host}:{server.server_port}", flush=True)
     server.serve_forever()
