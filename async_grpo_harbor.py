@@ -2373,12 +2373,15 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
         finally:
             session.close()
 
-    stop_reason, interrupted = None, None
+    def stop_requested() -> str | None:  # during training a stop request only takes note (StopRequest): seen here
+        return f"stopped by {STOP.signal_name}" if STOP.deferred and STOP.signal_name is not None else None
+
+    interrupted, stop_reason = None, stop_requested()  # one already under way: no sandbox is started for nothing
     pool = ThreadPoolExecutor(max_workers=args.max_inflight, thread_name_prefix="harbor-eval")  # --max-inflight at once
-    running = {pool.submit(run, unit) for unit in range(len(units)) for _ in range(args.eval_k)}
+    running = set() if stop_reason else {pool.submit(run, unit) for unit in range(len(units))
+                                         for _ in range(args.eval_k)}
     try:
         while running and stop_reason is None:
-            # During training a stop request only takes note (StopRequest): the poll is where the eval sees it.
             finished, running = wait_futures(running, timeout=1.0, return_when=FIRST_COMPLETED)
             for future in finished:
                 try:
@@ -2393,8 +2396,8 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
                 progress.set_postfix_str(f"tasks {done}/{len(units)}, solved "
                                          f"{f'{solved / scored:.0%}' if scored else '-'}", refresh=False)
                 progress.update(1)
-            if stop_reason is None and running and STOP.deferred and STOP.signal_name is not None:
-                stop_reason = f"stopped by {STOP.signal_name}"
+            if stop_reason is None and running:
+                stop_reason = stop_requested()
     except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C; SIGTERM before training
         stop_reason, interrupted = "interrupted", exc
     finally:
