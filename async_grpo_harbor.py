@@ -98,7 +98,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -275,8 +276,9 @@ class HarborGRPOConfig(AsyncGRPOConfig):
     learning_rate: float = arg(1e-6, "AdamW learning rate, constant: the number of rollouts per step varies with "
                                      "their length, so a decay horizon in steps means little.")
     max_steps: int = arg(500, "Optimizer steps to train; the run's only stop condition (tasks are cycled).")
-    eval_steps: float | None = arg(50, "Optimizer steps between held-out evals (--eval-tasks); 0: only before "
-                                       "training and after the last step.")
+    eval_steps: float | None = arg(50, "Optimizer steps between held-out evals (--eval-tasks); below 1: that "
+                                       "fraction of --max-steps, as transformers reads it; 0: only before training "
+                                       "and after the last step.")
     output_dir: str = arg("", "Checkpoints and logs. Empty: runs/<run name>.")
     run_name: str = arg(
         "", "Empty: the --output-dir's name if given, else <model>-<harness>-<sandbox>-<SLURM_JOB_ID, else UTC time + "
@@ -430,7 +432,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.use_peft and args.lora_r < 1:
         raise UsageError(f"--lora-r must be >= 1 (got {args.lora_r})")
     args.measure = args.eval_only or args.curate == ""
-    args.eval_steps = int(args.eval_steps)
+    args.eval_steps = args.eval_steps or 0
+    if args.eval_steps > 1 and args.eval_steps != int(args.eval_steps):
+        raise UsageError(f"--eval-steps {args.eval_steps:g}: give a whole number of steps, or a fraction of "
+                         "--max-steps below 1 (0.1: every tenth of the run)")
+    # transformers' reading of a fraction: of the run's steps, rounded up (TrainerState.compute_steps).
+    args.eval_steps = math.ceil(args.max_steps * args.eval_steps) if args.eval_steps < 1 else int(args.eval_steps)
     if config.eval_strategy != "no":  # transformers' IntervalStrategy, a str
         raise UsageError(f"--eval-strategy {config.eval_strategy.value}: AsyncGRPOTrainer takes no eval "
                          "dataset; measure held-out Harbor tasks during training with --eval-tasks SPEC --eval-steps N "
@@ -920,7 +927,8 @@ class HarborSessionFactory(ResourceSessionFactory):
     def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
                  agent_timeout_s: float, max_consecutive_failures: int, retry_window_s: float = 300.0,
                  sampling: dict[str, Any] | None = None, require_tokens: bool = True, record_path: str = "",
-                 eval_sampling: dict[str, Any] | None = None, label: str = "group", split_by_harness: bool = False):
+                 eval_sampling: dict[str, Any] | None = None, label: str = "group", split_by_harness: bool = False,
+                 record_fields: dict[str, Any] | None = None):
         self.harbor_url, self.harness, self.sandbox, self.reward_key = harbor_url, harness, sandbox, reward_key
         self.agent_step_limit, self.agent_timeout_s = agent_step_limit, agent_timeout_s
         self.request_timeout_s, self.retry_window_s = rollout_budget_s(agent_timeout_s), retry_window_s
@@ -931,6 +939,7 @@ class HarborSessionFactory(ResourceSessionFactory):
         self.eval_sampling = dict(eval_sampling or {})
         self.label = label  # what a rollout's console line calls its unit: a training group, a held-out eval's task
         self.record_path = record_path  # one JSON line per finished rollout, for the user to read
+        self.record_fields = dict(record_fields or {})  # on every record: a held-out eval's optimizer step
         self.metrics_queue: Any = None  # TRL's, set by the rollout loop that owns this factory in TRL's child
         self._lock = threading.Lock()
         self._consecutive_failures = 0
@@ -1038,7 +1047,7 @@ class HarborSessionFactory(ResourceSessionFactory):
             return
         r, failure = session.result, session.failure
         record = {
-            "time": time.time(), "group": session.group, "task": session.task_name,
+            "time": time.time(), **self.record_fields, "group": session.group, "task": session.task_name,
             "index": session._task_index, "harness": session.harness, "sandbox": self.sandbox,
             "reward": r.reward if r is not None and failure is None else None,
             "turns": r.n_turns if r is not None else 0, "wall_s": r.wall_s if r is not None else 0.0,
@@ -2393,16 +2402,22 @@ PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass
 
 
 def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
-                       llm: dict[str, Any], label: str = "group") -> list[dict[str, Any]]:
+                       llm: dict[str, Any], label: str = "group", step: int | None = None,
+                       keep_on_interrupt: bool = True) -> list[dict[str, Any]]:
     """--eval-k rollouts of every task (under every harness), through the session code training uses. Solved: the
     verifier's reward (after --reward-key) is > 0, as OpenEnv's `result.solved` reads it (partial credit counts;
-    mean_reward says how much). Unscorable rollouts are errors, left out of the pass rate as out of a GRPO baseline."""
+    mean_reward says how much). Unscorable rollouts are errors, left out of the pass rate as out of a GRPO baseline.
+
+    Cut short by --max-consecutive-failures, by a stop request during training (seen within a poll), or by Ctrl-C:
+    the rollouts in flight are abandoned and the tasks measured in full are returned; Ctrl-C is raised again unless
+    `keep_on_interrupt` (--eval-only keeps what finished). `step`: a held-out eval's, on each record."""
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     factory = HarborSessionFactory(
         **session_settings(args), sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
         # A token-capturing engine samples exactly as in training; any other (a hosted model) at the same temperature.
         eval_sampling=None if llm.get("capture_level") == "tokens" else {"temperature": args.temperature, "top_p": 1.0},
-        record_path=os.path.join(args.output_dir, "eval_rollouts.jsonl"), label=label)
+        record_path=os.path.join(args.output_dir, "eval_rollouts.jsonl"), label=label,
+        record_fields=None if step is None else {"step": step})
     units = task_rows(tasks, split, args.harnesses)
     outcomes: list[list[HarborSession]] = [[] for _ in units]
     progress = tqdm(total=len(units) * args.eval_k, unit="rollout", dynamic_ncols=True, file=sys.stderr)
@@ -2418,28 +2433,38 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
         finally:
             session.close()
 
-    stop_reason = None
+    def stop_requested() -> str | None:  # during training a stop request only takes note (StopRequest): seen here
+        return f"stopped by {STOP.signal_name}" if STOP.deferred and STOP.signal_name is not None else None
+
+    interrupted, stop_reason = None, stop_requested()  # one already under way: no sandbox is started for nothing
     pool = ThreadPoolExecutor(max_workers=args.max_inflight, thread_name_prefix="harbor-eval")  # --max-inflight at once
+    running = set() if stop_reason else {pool.submit(run, unit) for unit in range(len(units))
+                                         for _ in range(args.eval_k)}
     try:
-        for future in as_completed([pool.submit(run, unit) for unit in range(len(units)) for _ in range(args.eval_k)]):
-            try:
-                unit, session = future.result()
-            except ValueError as exc:  # record_outcome: --max-consecutive-failures reached
-                stop_reason = str(exc)
-                raise KeyboardInterrupt from None
-            outcomes[unit].append(session)
-            scored += session.failure is None
-            solved += session.failure is None and bool(session.result.solved)
-            done += len(outcomes[unit]) == args.eval_k
-            progress.set_postfix_str(f"tasks {done}/{len(units)}, solved "
-                                     f"{f'{solved / scored:.0%}' if scored else '-'}", refresh=False)
-            progress.update(1)
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: release the server's slots, keep what finished
-        stop_reason = stop_reason or "interrupted"
-        pool.shutdown(wait=False, cancel_futures=True)  # before the sessions close: no queued rollout starts after
-        for session in list(factory.live_sessions):
-            session.close()
+        while running and stop_reason is None:
+            finished, running = wait_futures(running, timeout=1.0, return_when=FIRST_COMPLETED)
+            for future in finished:
+                try:
+                    unit, session = future.result()
+                except ValueError as exc:  # record_outcome: --max-consecutive-failures reached
+                    stop_reason = str(exc)
+                    continue
+                outcomes[unit].append(session)
+                scored += session.failure is None
+                solved += session.failure is None and bool(session.result.solved)
+                done += len(outcomes[unit]) == args.eval_k
+                progress.set_postfix_str(f"tasks {done}/{len(units)}, solved "
+                                         f"{f'{solved / scored:.0%}' if scored else '-'}", refresh=False)
+                progress.update(1)
+            if stop_reason is None and running:
+                stop_reason = stop_requested()
+    except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C; SIGTERM before training
+        stop_reason, interrupted = "interrupted", exc
     finally:
+        if stop_reason is not None:  # release the server's slots, keep what finished
+            pool.shutdown(wait=False, cancel_futures=True)  # before the sessions close: no queued rollout starts after
+            for session in list(factory.live_sessions):
+                session.close()
         pool.shutdown(wait=True, cancel_futures=True)
         progress.close()
     rows = [pass_rate_row(units[unit]["prompt"][0], args.sandbox, sessions)
@@ -2447,6 +2472,8 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
     if stop_reason:
         print(redact(f"[eval] stopped early ({stop_reason}); {len(rows)} of {len(units)} tasks fully measured"),
               file=sys.stderr, flush=True)
+    if interrupted is not None and not keep_on_interrupt:
+        raise interrupted
     return rows
 
 
@@ -2478,20 +2505,49 @@ EVAL_COLUMNS = ["step", "task", "index", "harness", "k", "solved", "pass_rate", 
 
 
 def held_out_eval(args: argparse.Namespace, plan: dict[str, Any], step: int) -> dict[str, float]:
-    """--eval-tasks on the weights of optimizer step `step` (0: before training): eval.csv rows, eval/* metrics."""
-    rows = measure_pass_rates(args, plan["split"], plan["eval_tasks"], plan["llm"], label="held-out eval")
+    """--eval-tasks on the weights of optimizer step `step` (0: before training): eval.csv rows, eval/* metrics.
+
+    An eval cut short (a stop request, --max-consecutive-failures) writes the tasks it measured in full, and logs
+    eval/tasks_measured below eval/tasks and no eval/pass_rate: a rate over another task set than the planned one
+    compares with no other step's. Ctrl-C stops the run, as anywhere in training."""
+    planned = len(plan["eval_tasks"]) * len(args.harnesses)
+    rows = measure_pass_rates(args, plan["split"], plan["eval_tasks"], plan["llm"], label="held-out eval", step=step,
+                              keep_on_interrupt=False)
     write_pass_rates(Path(args.output_dir) / "eval.csv", [{"step": step, **r} for r in rows], EVAL_COLUMNS,
                      append=True)
     scored = sum(r["k"] - r["errors"] for r in rows)
     solved = sum(r["solved"] for r in rows)
+    errors = sum(r["errors"] for r in rows)
     metrics = {f"eval/{task}/pass_rate": rate for task, rate in pass_rates_by_task(rows).items() if rate is not None}
+    metrics |= {"eval/tasks": planned, "eval/tasks_measured": len(rows)}
+    rate = f"{solved / scored:.2f}" if scored else "-"
+    if len(rows) < planned:
+        units = "tasks" if len(args.harnesses) == 1 else "task-harness pairs"
+        say(f"[harbor] eval at step {step} cut short: {len(rows)} of {planned} held-out {units} measured in full, "
+            f"pass rate {rate} ({solved}/{scored}) over those alone, not comparable with other steps: no "
+            f"eval/pass_rate; {errors} errors (eval.csv)")
+        return metrics
     if scored:
         metrics["eval/pass_rate"] = solved / scored
         metrics["eval/mean_reward"] = sum(r["mean_reward"] * (r["k"] - r["errors"]) for r in rows
                                           if r["k"] > r["errors"]) / scored
-    say(f"[harbor] eval at step {step}: pass rate {f'{solved / scored:.2f}' if scored else '-'} ({solved}/{scored}) "
-        f"on {len(plan['eval_tasks'])} held-out tasks, {sum(r['errors'] for r in rows)} errors (eval.csv)")
+    say(f"[harbor] eval at step {step}: pass rate {rate} ({solved}/{scored}) on {len(plan['eval_tasks'])} held-out "
+        f"tasks, {errors} errors (eval.csv)")
     return metrics
+
+
+def whole_eval(entry: dict[str, Any]) -> bool:
+    """A log entry of a held-out eval that measured every planned task."""
+    if "eval/tasks" in entry:
+        return entry.get("eval/tasks_measured") == entry["eval/tasks"]
+    return "eval/pass_rate" in entry  # logged before evals counted their tasks
+
+
+def eval_budget_s(args: argparse.Namespace, tasks: int) -> float:
+    """How long a held-out eval of `tasks` tasks may take: its rollouts run --max-inflight at a time, each within its
+    rollout budget, after waiting up to --harbor-retry-window for a full or restarting server."""
+    waves = math.ceil(tasks * len(args.harnesses) * args.eval_k / args.max_inflight)
+    return waves * (rollout_budget_s(args.agent_timeout) + args.harbor_retry_window)
 
 
 def read_pass_rates(path: str) -> list[dict[str, Any]]:
@@ -2823,15 +2879,20 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     terminates it: a child cannot exit while items it put on `rollout_buffer` / `metrics_queue` are unread (mp.Queue
     flushes its pipe at exit), and at a preemption those seconds come out of the grace period before the checkpoint
     save. The stop Event is set from a thread: if the child died holding the Event's lock, `set()` never returns.
-    The samples it drains count in the run's totals as produced but never trained; the run's files hold the rest."""
-    proc, t0 = worker._process, time.monotonic()
+    The samples it drains count in the run's totals as produced but never trained; the run's files hold the rest.
+    The metrics it drains stay for the trainer's next log (TRL's reads `metrics_queue`): a stop before the last
+    step's log (the final held-out eval) loses none of that step's. Called again once stopped, it does nothing."""
+    proc, t0, kept = worker._process, time.monotonic(), queue.Queue()
 
     def drain() -> None:
         for q in (worker.rollout_buffer, worker.metrics_queue):
             try:
                 while True:
-                    q.get_nowait()
-                    worker.samples_left_at_stop += q is worker.rollout_buffer
+                    item = q.get_nowait()
+                    if q is worker.rollout_buffer:
+                        worker.samples_left_at_stop += 1
+                    else:
+                        kept.put(item)
             except (queue.Empty, OSError, EOFError, ValueError):
                 pass
 
@@ -2845,6 +2906,8 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
         say(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s (exit code {proc.exitcode})")
         worker._process = None
     HarnessRolloutWorker.stop(worker)  # a child still running: TRL's join, then SIGTERM (it releases its sessions)
+    drain()
+    worker.metrics_queue = kept
 
 
 class Preempted(BaseException):
@@ -3106,32 +3169,57 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 control.should_training_stop = True
 
     class HeldOutEval(TrainerCallback):
-        """--eval-tasks on rank 0, before the first step, every --eval-steps and after the last. It runs inside the
+        """--eval-tasks on rank 0, before the first step, every --eval-steps and at the last. It runs inside the
         step's end, after TRL's callback pushed that step's weights and before the next step can push again: every
-        eval rollout samples the weights of the step it is logged at (with --weight-sync-steps 1, TRL's default)."""
+        eval rollout samples the weights of the step it is logged at (with --weight-sync-steps 1, TRL's default).
+        It runs before StopAtStepEnd: a stop request cuts it short, and the same step's end then stops and saves.
+        The final eval runs once TRL's rollout child has stopped: no training rollout is generated beside it.
 
-        def __init__(self, trainer):
-            self.trainer, self.done = trainer, {}  # step -> eval/pass_rate (None: nothing scored)
+        The other ranks wait for it in `group`, a gloo group whose timeout is the eval's budget (eval_budget_s),
+        outside the collectives of training, whose timeout (ddp_timeout) is sized for collecting one group."""
 
-        def run(self, step: int, control) -> None:
-            if not self.trainer.accelerator.is_main_process or step in self.done:
+        def __init__(self, trainer, group):
+            self.trainer, self.group = trainer, group
+            self.ran: set[int] = set()
+            self.done = {}  # step -> eval/pass_rate of each whole eval (None: nothing scored)
+
+        def run(self, state, control, final: bool = False) -> None:
+            step, trainer = state.global_step, self.trainer
+            if step in self.ran:
                 return
-            metrics = held_out_eval(args, plan, step)
-            self.done[step] = metrics.get("eval/pass_rate")
-            should_log = control.should_log  # on_log clears it, which would drop the step's own log line
-            Trainer.log(self.trainer, metrics)  # transformers' own: TRL's log() would take the step's metrics too
-            control.should_log = should_log
+            self.ran.add(step)
+            # The checkpoint resumed from holds its step's whole eval (every rank read the same trainer_state.json):
+            # measuring it again would record the step twice. One cut short by the stop is measured again.
+            record = next((e for e in state.log_history if e.get("step") == step and whole_eval(e)), None)
+            if record is not None:
+                self.done[step] = record.get("eval/pass_rate")
+                if trainer.accelerator.is_main_process:
+                    say(f"[harbor] eval at step {step}: on record in the resumed checkpoint, not measured again")
+                return
+            if trainer.accelerator.is_main_process:
+                if final and trainer.rollout_worker is not None:
+                    trainer.rollout_worker.stop()
+                    say("[harbor] rollout worker stopped: no training rollout runs beside the final eval")
+                metrics = held_out_eval(args, plan, step)
+                if whole_eval(metrics):
+                    self.done[step] = metrics.get("eval/pass_rate")
+                should_log = control.should_log  # on_log clears it, which would drop the step's own log line
+                Trainer.log(trainer, metrics)  # transformers' own: TRL's log() would take the step's metrics too
+                control.should_log = should_log
+            if self.group is not None:
+                dist.barrier(group=self.group)
 
         def on_train_begin(self, _args, state, control, **_kwargs):
-            self.run(state.global_step, control)
+            self.run(state, control)
 
         def on_step_end(self, _args, state, control, **_kwargs):
-            if args.eval_steps and state.global_step % args.eval_steps == 0:
-                self.run(state.global_step, control)
+            last = state.global_step >= state.max_steps
+            if last or (args.eval_steps and state.global_step % args.eval_steps == 0):
+                self.run(state, control, final=last)
 
         def on_train_end(self, _args, state, control, **_kwargs):
-            if not self.trainer.stop_agreed:
-                self.run(state.global_step, control)
+            if not self.trainer.stop_agreed:  # training ended before its last step (TRL's epoch stop)
+                self.run(state, control, final=True)
 
     class StepLog(Trainer):
         """Comes after AsyncGRPOTrainer in the trainer's MRO, so its log() runs between TRL's, which drained the rollout
@@ -3296,11 +3384,15 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                 if (plan or {}).get("weight_transfer") == "ipc" else None)
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
                                 rollout_worker=worker, peft_config=peft_config(args), weight_transfer=transfer)
-    trainer.add_callback(StopAtStepEnd(trainer))
     if plan and plan.get("eval_tasks"):
-        held_out = HeldOutEval(trainer)
+        group = None
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank builds its trainer: all create it
+            budget = eval_budget_s(args, len(plan["eval_tasks"]))
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=budget))
+        held_out = HeldOutEval(trainer, group)
         trainer.held_out = held_out.done
         trainer.add_callback(held_out)
+    trainer.add_callback(StopAtStepEnd(trainer))  # after the eval: a stop that cut it short stops this step
     return trainer
 
 
@@ -3373,6 +3465,8 @@ def process_group_timeout() -> str:
 def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
                           server: EmbeddedHarborServer | None) -> None:
     llm, tasks = plan["llm"], plan["tasks"]
+    ranks_wait = (f"; the other ranks wait up to {timedelta(seconds=eval_budget_s(args, len(plan['eval_tasks'])))} "
+                  "for each" if plan.get("eval_tasks") and int(os.environ.get("WORLD_SIZE", "1")) > 1 else "")
     print_table("async_grpo_harbor", {
         "run name": args.run_name, "output dir": args.output_dir, "resume from": plan["resume"] or "-",
         "model": args.model, "vllm": args.vllm_url,
@@ -3400,7 +3494,8 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
         "zero-variance groups": (f"kept out; stop after {args.max_zero_variance_groups} in a row"
                                  if args.max_zero_variance_groups else "trained (advantages 0)"),
         "held-out eval": (f"{len(plan['eval_tasks'])} tasks x {args.eval_k} rollouts, before training and every "
-                          f"{args.eval_steps or '-'} steps" if plan.get("eval_tasks") else "none (--eval-tasks)"),
+                          f"{args.eval_steps or '-'} steps{ranks_wait}" if plan.get("eval_tasks")
+                          else "none (--eval-tasks)"),
         "report to": f"{', '.join(args.report_to) or 'none'} (project {args.project})",
         # AsyncGRPOConfig fields set beyond the script's flags; transformers hides *_token fields the same way
         **{f"{k} (TRL)": f"<{k.upper()}>" if k.endswith("_token") else redact(str(v)) for k, v in args.trl.items()},
