@@ -354,3 +354,12 @@ def assert_all_slots_free(rig: Rig) -> None:
         for s in sessions:
             if "result" in s:
                 rpc("openenv/session/close", session_id=s["result"]["session_id"])
+
+
+@pytest.fixture(autouse=True)
+def no_session_left_attached(request):
+    """Every test that used the shared rig leaves all of its Harbor server's session slots free: a slot left attached
+    fails the test that left it, not a later one counting free slots."""
+    yield
+    if "rig" in request.fixturenames:
+        assert_all_slots_free(request.getfixturevalue("rig"))
