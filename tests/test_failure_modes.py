@@ -244,11 +244,12 @@ def test_an_agent_that_times_out_is_scored_by_its_verifier(rig, tmp_path):
     # rollout trains like any other (a policy that loops must not leave the GRPO baseline). The engine answers, then
     # hangs the coin agent. --max-consecutive-failures 1: not one of these rollouts may count as a failure.
     # Two groups in flight and coin2 first: the quick coin2 groups run beside one hanging coin group, so the step
-    # waits out one agent timeout, not two in a row. The agent writes its answer within ~10 s of starting.
+    # waits out one agent timeout, not two in a row. The agent writes its answer within ~10 s of starting; a whole
+    # coin2 rollout took 30 s on 2 cores at a load of 10, so the timeout leaves it twice that.
     out = tmp_path / "out"
     post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "agent_end": {"coin": "hang"}})
     try:
-        proc = run_script(train_args(rig, out, "--tasks", "coin2,coin", "--max-steps", "1", "--agent-timeout", "30",
+        proc = run_script(train_args(rig, out, "--tasks", "coin2,coin", "--max-steps", "1", "--agent-timeout", "60",
                                      "--max-inflight", str(2 * GENERATIONS), "--max-consecutive-failures", "1"),
                           cwd=tmp_path, timeout=900)
     finally:
