@@ -29,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path, PurePosixPath
 
+import agent_zygote
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 
@@ -87,6 +88,32 @@ def _read_only_trees() -> list[str]:
         if not any(real == t or real.startswith(t + "/") for t in trees):
             trees.append(real)
     return trees
+
+
+def _agent_python() -> str:
+    """The interpreter of the pre-installed console scripts (their shebang)."""
+    with open(AGENT_VENV / "bin" / PREINSTALLED[0], "rb") as f:
+        return f.readline()[2:].decode().strip()
+
+
+_warm_agent: tuple[str, int, subprocess.Popen] | None = None
+
+
+def _warm_agent_socket() -> str:
+    """The socket of this server's warm agent process, started by the first sandbox. It lives as long as this
+    process: it leaves when the pipe's write end, held only here, closes."""
+    global _warm_agent
+    if _warm_agent is None:
+        name = f"agh-rig-agent-{os.getpid()}-{os.urandom(6).hex()}"
+        lifetime, keep = os.pipe()
+        scripts = [str(AGENT_VENV / "bin" / n) for n in PREINSTALLED if (AGENT_VENV / "bin" / n).exists()]
+        process = subprocess.Popen(
+            [_agent_python(), str(Path(agent_zygote.__file__).resolve()), name, str(lifetime), *scripts],
+            stdin=subprocess.DEVNULL, pass_fds=(lifetime,), env=BASE_ENV, cwd="/", start_new_session=True,
+        )  # fmt: skip
+        os.close(lifetime)
+        _warm_agent = (name, keep, process)
+    return _warm_agent[0]
 
 
 def _child_pid(parent: int) -> int | None:
@@ -162,12 +189,16 @@ class LocalSandbox(BaseEnvironment):
         for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             if Path("/", top).is_symlink():  # merged-/usr hosts: keep the same shape inside
                 (self._root / top).symlink_to(os.readlink(Path("/", top)))
-        # The "image" ships the agent pre-installed where Harbor's run command looks for it.
+        # The "image" ships the agent pre-installed where Harbor's run command looks for it: a launcher that starts
+        # the real console script from the rig's warm process (agent_zygote.py).
         bin_dir = self._root / "root/.local/bin"
         bin_dir.mkdir(parents=True, exist_ok=True)
         for name in PREINSTALLED:
             if (AGENT_VENV / "bin" / name).exists():
-                (bin_dir / name).symlink_to(AGENT_VENV / "bin" / name)
+                launcher = bin_dir / name
+                launcher.write_text(agent_zygote.LAUNCHER.format(
+                    python=_agent_python(), socket=_warm_agent_socket(), script=str(AGENT_VENV / "bin" / name)))
+                launcher.chmod(0o755)
 
         self._init = await asyncio.create_subprocess_exec(
             "unshare", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private",
