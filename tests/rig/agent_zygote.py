@@ -20,6 +20,10 @@ What makes a warm start the same as a cold one:
 - It sits in the trial's pid namespace, so `stop()` (which ends that namespace) kills it and all it started. A
   launcher killed on its own (an exec's timeout kills its process group) takes the agent's process group with it.
 - The launcher falls back to a cold start if this process is gone.
+What differs, knowingly: the warm heap is frozen out of the garbage collector (gc.freeze: else each agent's
+collections and its exit walk and copy the whole heap, ~1.4 CPU-s an agent), so garbage the agent makes of imported
+objects is never collected; `ps` shows the agent's name but this process's command line; environment reads by C code
+during the imports are not recorded (none of the rig's agent variables is one).
 
     python agent_zygote.py SOCKET_NAME LIFETIME_FD SCRIPT...   (SCRIPT: the console scripts it may start)
 """
@@ -162,6 +166,9 @@ def _start(conn: socket.socket, scripts: set[str], seen: dict, listed: bool, dot
     agent = os.fork()
     if agent == 0:
         os.setsid()  # its own process group, which the relay kills if the launcher dies
+        # The name `ps` shows, as exec'ing the script would set it (the full command line stays this process's).
+        with open("/proc/self/comm", "w") as f:
+            f.write(os.path.basename(argv[0])[:15])
         os.setns(opened["ns/mnt"], os.CLONE_NEWNS)
         os.fchdir(opened["root"])
         os.chroot(".")
@@ -225,8 +232,7 @@ def serve(name: str, lifetime: int, scripts: set[str]) -> tuple[str, list[str]]:
         print(f"rig: agent starts stay cold (environment listed: {listed}; .env found: {host_dotenv})",
               file=sys.stderr, flush=True)
     ttys = tuple(os.isatty(fd) for fd in (0, 1, 2))
-    # Out of the collector's sight: else every agent's collections, and its exit's, walk (and copy on write) the
-    # whole warm heap, ~1.4 CPU-s an agent. Garbage of the imports is collected first; what stays is live.
+    # Out of the collector's sight (see the docstring). Garbage of the imports is collected first; what stays is live.
     gc.collect()
     gc.freeze()
 

@@ -10,6 +10,14 @@ and background processes persist between execs exactly as in a container until `
 which takes the whole pid namespace down with it. The network is the host's: the agent must reach
 the capture proxy on 127.0.0.1.
 
+The pre-installed agent starts warm. A real sandbox pays the agent's start-up (mini-swe-agent imports litellm:
+~5 CPU-seconds) on its own CPUs; here every trial shares the host's two cores with the trainer, the engine and the
+server, and the suite runs hundreds of rollouts. So the image's `mini-swe-agent` is a launcher that asks one process
+per server, which has imported litellm once, to fork the agent into the launcher's own namespaces, root, working
+directory, credentials, environment and stdio, and run the real console script there with the same argv
+(agent_zygote.py says what keeps that the same as a cold start, and when it starts cold instead). The agent lives in
+the trial's pid namespace like anything else it started, so `stop()` still takes it down.
+
 Needs root (or CAP_SYS_ADMIN) plus util-linux `unshare`/`nsenter`; `preflight()` says so up front.
 The Dockerfile is never built: only its WORKDIR is honoured. Tasks needing packages must find them
 on the host.
