@@ -68,7 +68,7 @@ reply = b""
 while len(reply) < 4:
     chunk = conn.recv(4 - len(reply))
     if not chunk:
-        sys.exit(f"rig: the warm agent start ended without a status")
+        sys.exit("rig: the warm agent start ended without a status")
     reply += chunk
 status = struct.unpack("!i", reply)[0]
 if os.WIFSIGNALED(status):
