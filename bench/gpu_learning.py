@@ -81,6 +81,7 @@ BASH_TOOL = {"type": "function", "function": {
                                                                 "description": "The bash command to execute"}},
                    "required": ["command"]}}}
 INSTRUCTION = (TASKS / TASK / "instruction.md").read_text()
+PREFLIGHT_ROW = re.compile(r"^  (PASS|WARN|FAIL|SKIP)  (.+?)  +(.*)$", re.M)
 STEP_METRICS = ("ratio", "bench/ratio_min", "bench/ratio_max", "clip_ratio/region_mean", "kl", "grad_norm",
                 "perf/weight_sync_s")
 # A small Qwen3 (~3M parameters with the rig's 1k vocabulary): big enough to hold the action on any prompt.
@@ -115,10 +116,10 @@ def build_model(work: Path) -> Path:
 
     base = tiny_model.build(work / "base", tuple(ANSWERS))
     tokenizer = AutoTokenizer.from_pretrained(base)
-    config = Qwen3Config.from_pretrained(base)
-    for key, value in SHAPE.items():
-        setattr(config, key, value)
-    config.initializer_range = 0.02
+    rig = Qwen3Config.from_pretrained(base)
+    config = Qwen3Config(vocab_size=rig.vocab_size, max_position_embeddings=rig.max_position_embeddings,
+                         tie_word_embeddings=False, eos_token_id=rig.eos_token_id, pad_token_id=rig.pad_token_id,
+                         initializer_range=0.02, dtype="float32", **SHAPE)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
     ids = candidate_ids(tokenizer)
@@ -155,7 +156,7 @@ def context_messages(rng: random.Random) -> list[dict]:
     import tiny_model
 
     lines = [line for line in tiny_model.CORPUS.splitlines() if line.strip()]
-    system = "\n".join(rng.sample(lines, rng.randint(3, min(40, len(lines)))))
+    system = "\n".join(rng.choices(lines, k=rng.randint(3, 90)))
     filler = rng.sample(lines, rng.randint(0, 12))
     uname = f"<system_information> Linux {rng.randint(4, 7)}.{rng.randint(0, 19)}.{rng.randint(0, 99)} x86_64 " \
             "</system_information>"
@@ -163,18 +164,23 @@ def context_messages(rng: random.Random) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n".join(user)}]
 
 
+PROBE_MESSAGES = context_messages(random.Random(20_000))
+
+
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, tools=[BASH_TOOL], add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def warm_up(init: Path, out: Path, device: str, max_steps: int, contexts_per_batch: int, log) -> dict:
+def warm_up(init: Path, out: Path, device: str, max_steps: int, contexts_per_batch: int, max_s: float,
+            log) -> dict:
     """Supervised pass to the action: every context with each candidate, loss on the completion only, until the
     action's format is near-certain on held-out contexts while the candidates stay equal."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(init)
+    torch.backends.cuda.matmul.allow_tf32 = True  # the warm-up only needs the format learnt, not bit-exactness
     model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32).to(device)
     rows, at = completions(tokenizer)
     cands = candidate_ids(tokenizer)
@@ -223,23 +229,60 @@ def warm_up(init: Path, out: Path, device: str, max_steps: int, contexts_per_bat
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = out_.loss.item()
-        if step % 25 == 0 or step == max_steps:
+        if step % 25 == 0 or step == max_steps or time.monotonic() - t0 > max_s:
             stats = measure()
             log(f"warm-up step {step}: loss {loss:.5f}, worst format logprob {stats['format_logprob_worst']:.2e}, "
                 f"candidate mass {stats['candidate_mass_min']:.5f}, share spread {stats['candidate_share_spread']:.2e}")
             if stats["format_logprob_worst"] > math.log(1 - FORMAT_SLACK) and stats["candidate_mass_min"] > 0.999:
                 break
+            if time.monotonic() - t0 > max_s:
+                log(f"warm-up stopped at its time limit ({max_s:.0f}s) before the format margin was reached")
+                break
+    model.eval()
+    sampled = sample_with(model, tokenizer, device)
+    log(f"warm-up: {sampled['samples']} samples of the warmed model at temperature 1: {sampled['malformed']} "
+        f"malformed, chosen {sampled['chosen']}")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return {"steps": step, "loss": loss, "seconds": round(time.monotonic() - t0, 1), "contexts_per_batch":
+    return {"steps": step, "sampled": sampled, "loss": loss, "seconds": round(time.monotonic() - t0, 1), "contexts_per_batch":
             contexts_per_batch, "format_slack": FORMAT_SLACK, **stats,
             "format_ok": stats.get("format_logprob_worst", -1) > math.log(1 - FORMAT_SLACK)}
 
 
+def parse_action(text: str) -> str | None:
+    """The candidate a completion's one tool call writes, as the hermes parser and mini-swe-agent read it; None:
+    malformed."""
+    calls = re.findall(r"<tool_call>(.*?)</tool_call>", text, flags=re.DOTALL)
+    if len(calls) != 1 or text[: text.index("<tool_call>")].strip():
+        return None
+    try:
+        call = json.loads(calls[0])
+        match = ACTION.match(call["arguments"]["command"]) if call.get("name") == "bash" else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return match[1] if match and match[1] in ANSWERS else None
+
+
+def sample_with(model, tokenizer, device: str, n: int = 64) -> dict:
+    """n free samples of the first turn (temperature 1, full vocabulary) of the warmed model, before any RL step."""
+    import torch
+
+    rows, _ = completions(tokenizer)
+    prompt = torch.tensor([prompt_ids(tokenizer, PROBE_MESSAGES)] * n, device=device)
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                             temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=len(rows[0]) + 8)
+    chosen, malformed = {a: 0 for a in ANSWERS}, 0
+    for seq in out[:, prompt.shape[1]:].tolist():
+        answer = parse_action(tokenizer.decode(seq, skip_special_tokens=True))
+        if answer is None:
+            malformed += 1
+        else:
+            chosen[answer] += 1
+    return {"samples": n, "malformed": malformed, "chosen": chosen}
+
+
 # ---- the served model, read through vLLM --------------------------------------------------------------------------
-
-PROBE_MESSAGES = context_messages(random.Random(20_000))
-
 
 def sample_actions(vllm_url: str, served: str, n: int = 64) -> dict:
     """n free samples of the first turn from vLLM (temperature 1): well-formed actions and the candidates chosen."""
@@ -338,26 +381,18 @@ def script_args(model: Path, vllm_url: str, harbor_url: str, split: str, out: Pa
             "--save-total-limit", "2", "--output-dir", str(out)]
 
 
-def one_run(name: str, model: Path, work: Path, lr: str, steps: int, share: float, deadline: float,
-            results: dict, tokenizer) -> None:
-    from transformers import AutoTokenizer  # noqa: F401  (imported by the caller's thread already)
-
-    work.mkdir(parents=True, exist_ok=True)
+def one_run(name: str, model: Path, work: Path, lr: str, steps: int, vllm: Service, vllm_url: str,
+            deadline: float, results: dict, tokenizer) -> None:
+    """One training run against its own vLLM (already serving `model`'s directory) and its own Harbor server."""
     started = time.monotonic()
-    vllm, vllm_url = start_vllm(model, work / "vllm.log", share)
     harbor, probe, lines = None, None, []
     result = results[name] = {"learning_rate": lr, "steps_planned": steps}
     try:
-        vllm.wait_ready(timeout=600)
-        result["vllm_ready_s"] = round(time.monotonic() - started, 1)
         served = get_json(f"{vllm_url}/v1/models")["data"][0]["id"]
-        result["before_rl_samples"] = sample_actions(vllm_url, served)
         harbor, harbor_url = start_harbor(work, vllm_url, model)
         harbor.wait_ready(timeout=300)
         split = get_json(f"{harbor_url}/harbor_env/splits")[0]["name"]
         probe = ProbeRight(vllm_url, served, tokenizer)
-        result["probe_before"] = probe.read()
-        probe.thread.start()
         out = work / "out"
         cmd = [sys.executable, str(ROOT / "bench" / "ratio_main.py"),
                *script_args(model, vllm_url, harbor_url, split, out, lr, steps)]
@@ -367,12 +402,15 @@ def one_run(name: str, model: Path, work: Path, lr: str, steps: int, share: floa
                                   daemon=True)
         reader.start()
         while proc.poll() is None and time.monotonic() < deadline:
+            # The first rollout follows TRL's first push (the warmed weights): from then on vLLM serves the policy.
+            if not probe.thread.is_alive() and (out / "rollouts.jsonl").is_file():
+                probe.thread.start()
             time.sleep(1)
         if proc.poll() is None:  # out of time: the script saves a checkpoint on SIGTERM and exits 75
             os.killpg(proc.pid, signal.SIGTERM)
             result["stopped_at_deadline"] = True
             try:
-                proc.wait(timeout=60)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -393,6 +431,8 @@ def one_run(name: str, model: Path, work: Path, lr: str, steps: int, share: floa
         for log in ("vllm.log", "harbor.log"):
             if (work / log).is_file():
                 result[f"{log}_tail"] = (work / log).read_text()[-4000:]
+        result["preflight"] = {row: (status, detail) for status, row, detail in PREFLIGHT_ROW.findall(
+            re.sub(r"^\d+\.\d+ ", "", result["stdout"], flags=re.M))}
     result |= per_step(work / "out", result)
 
 
@@ -484,7 +524,7 @@ def plot(results: dict, path: Path) -> None:
     ax.axhline(PASS_RATE, color="green", lw=0.8, ls=":", label=f"pass: last {LAST_STEPS} steps >= {PASS_RATE}")
     ax.set_ylabel("solve rate / probability")
     ax.set_ylim(-0.05, 1.05)
-    ax.set_title("One H200: vLLM (ipc) and the trainer share the card; a small Qwen3 learns to choose 1 of 4")
+    ax.set_title("One H200, vLLM (ipc) and trainer on one card: choose the right word of 4")
     ax.legend(fontsize=7, loc="upper left")
     ratio_ax.set_yscale("log")
     ratio_ax.set_xlabel("optimizer step")
@@ -518,10 +558,11 @@ def main() -> int:
     parser.add_argument("--lr", default="3e-4", help="learning rate of the learning run (the control's is 0)")
     parser.add_argument("--deadline-s", type=float, default=240.0,
                         help="seconds from start after which both runs are stopped (SIGTERM: a checkpoint is saved)")
-    parser.add_argument("--warmup-steps", type=int, default=600, help="most supervised steps of the warm-up")
+    parser.add_argument("--warmup-steps", type=int, default=3000, help="most supervised steps of the warm-up")
+    parser.add_argument("--warmup-s", type=float, default=75.0, help="most seconds of the warm-up")
     parser.add_argument("--warmup-contexts", type=int, default=8, help="contexts per warm-up batch (x4 candidates)")
     parser.add_argument("--device", default="cuda", help="where the warm-up runs")
-    parser.add_argument("--share", type=float, default=0.15, help="each vLLM's --gpu-memory-utilization")
+    parser.add_argument("--share", type=float, default=0.2, help="each vLLM's --gpu-memory-utilization")
     parser.add_argument("--work", default="/tmp/gpu-learning", help="scratch directory")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "2026-12-04-h200-one-gpu-learning"),
                         help="path prefix of the .json, .log and .png written")
@@ -549,25 +590,41 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     init = build_model(work)
-    warm = warm_up(init, work / "warm", args.device, args.warmup_steps, args.warmup_contexts, log)
-    log(f"warm-up: {json.dumps(warm)}")
-    if args.warmup_only:
-        return 0 if warm["format_ok"] else 1
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(work / "warm")
-    deadline = t0 + args.deadline_s
-    results: dict = {}
     variants = {"learning": args.lr, "control": "0"}
-    runs = [threading.Thread(target=one_run, args=(name, work / "warm", work / name, lr, args.steps, args.share,
-                                                   deadline, results, tokenizer)) for name, lr in variants.items()]
-    for t in runs:
-        t.start()
-    for t in runs:
-        t.join()
+    servers: dict[str, tuple[Service, str]] = {}
+    if not args.warmup_only:
+        # vLLM starts on the initial weights while the warm-up runs: the script's first push, which TRL makes before
+        # any rollout, replaces them with the warmed ones (the same directory, rewritten once vLLM has loaded it).
+        for name in variants:
+            (work / name).mkdir(parents=True, exist_ok=True)
+            servers[name] = start_vllm(init, work / name / "vllm.log", args.share)
+    results: dict = {}
+    try:
+        warm = warm_up(init, work / "warm", args.device, args.warmup_steps, args.warmup_contexts, args.warmup_s, log)
+        log(f"warm-up: {json.dumps(warm)}")
+        if args.warmup_only:
+            return 0 if warm["format_ok"] else 1
+        for name, (service, _) in servers.items():
+            service.wait_ready(timeout=600)
+        log("vLLM ready (both)")
+        for f in ("model.safetensors", "config.json"):
+            (init / f).write_bytes((work / "warm" / f).read_bytes())
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(init)
+        deadline = t0 + args.deadline_s
+        runs = [threading.Thread(target=one_run, args=(name, init, work / name, lr, args.steps, *servers[name],
+                                                       deadline, results, tokenizer)) for name, lr in variants.items()]
+        for t in runs:
+            t.start()
+        for t in runs:
+            t.join()
+    finally:
+        for service, _ in servers.values():
+            service.stop()
     for name in variants:
         r = results[name]
-        log(f"{name}: exit {r.get('exit')}, error {r.get('error')}, before RL {r.get('before_rl_samples')}, after "
+        log(f"{name}: exit {r.get('exit')}, error {r.get('error')}, vLLM's samples after the run "
             f"{r.get('after_rl_samples')}")
         for s in r.get("steps", []):
             log(f"{name} step {s['step']}: solved {s['solved']}/{s['rollouts']}, malformed {s['malformed']}, "
