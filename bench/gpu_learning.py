@@ -328,8 +328,8 @@ class ProbeRight:
         while not self.stop.wait(self.every):
             try:
                 self.readings.append(self.read())
-            except (OSError, KeyError, ValueError):
-                continue  # paused for a push
+            except Exception:  # paused for a push, or a reply without the candidates' logprobs: the next one
+                continue
 
 
 # ---- one run: vLLM + Harbor server + the script -------------------------------------------------------------------
@@ -385,7 +385,7 @@ def one_run(name: str, model: Path, work: Path, lr: str, steps: int, vllm: Servi
             deadline: float, results: dict, tokenizer) -> None:
     """One training run against its own vLLM (already serving `model`'s directory) and its own Harbor server."""
     started = time.monotonic()
-    harbor, probe, lines = None, None, []
+    harbor, probe, proc, lines = None, None, None, []
     result = results[name] = {"learning_rate": lr, "steps_planned": steps}
     try:
         served = get_json(f"{vllm_url}/v1/models")["data"][0]["id"]
@@ -403,7 +403,7 @@ def one_run(name: str, model: Path, work: Path, lr: str, steps: int, vllm: Servi
         reader.start()
         while proc.poll() is None and time.monotonic() < deadline:
             # The first rollout follows TRL's first push (the warmed weights): from then on vLLM serves the policy.
-            if not probe.thread.is_alive() and (out / "rollouts.jsonl").is_file():
+            if probe.thread.ident is None and (out / "rollouts.jsonl").is_file():
                 probe.thread.start()
             time.sleep(1)
         if proc.poll() is None:  # out of time: the script saves a checkpoint on SIGTERM and exits 75
@@ -420,6 +420,9 @@ def one_run(name: str, model: Path, work: Path, lr: str, steps: int, vllm: Servi
     except Exception as exc:  # a run that broke is reported, not lost: the other run still counts
         result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
     finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         if probe is not None:
             probe.stop.set()
             result["probe"] = probe.readings
