@@ -239,7 +239,10 @@ def warm_up(init: Path, out: Path, device: str, max_steps: int, contexts_per_bat
                 log(f"warm-up stopped at its time limit ({max_s:.0f}s) before the format margin was reached")
                 break
     model.eval()
-    sampled = sample_with(model, tokenizer, device)
+    try:
+        sampled = sample_with(model, tokenizer, device)
+    except Exception as exc:  # the check is a report; the run's own rollouts still count the malformed actions
+        sampled = {"samples": 0, "malformed": None, "chosen": {}, "error": f"{type(exc).__name__}: {exc}"[:500]}
     log(f"warm-up: {sampled['samples']} samples of the warmed model at temperature 1: {sampled['malformed']} "
         f"malformed, chosen {sampled['chosen']}")
     model.save_pretrained(out)
