@@ -14,8 +14,10 @@ teaches the model ONE action on any prompt ending in the assistant's turn,
 with each batch holding every context once with each candidate, so the candidates' rows get equal gradients and
 stay interchangeable. It runs until every format token is near-certain on held-out contexts (the whole action's
 format log-probability above log(1 - FORMAT_SLACK)), so an RL update that drifts the weights a little leaves a wide
-margin before an action breaks; the bench then samples the served model through vLLM, before any RL step, and
-reports how many of those actions are well formed and which candidates they chose.
+margin before an action breaks; it then samples 64 first turns of the warmed model (temperature 1, full vocabulary)
+and reports how many are well formed and which candidates they chose. vLLM starts on the initial weights while the
+warm-up runs: TRL pushes the trainer's weights (the warmed ones) before any rollout, so step 1's rollouts are vLLM's
+own samples of the warmed policy, and their malformed count is the check on the engine's side.
 
 Bound, stated before the run (printed first and kept in the JSON): chance is 1/4; PASS when the solve rate of the
 last LAST_STEPS optimizer steps' rollouts (and any finished after the last step) is >= PASS_RATE, whose probability
