@@ -261,11 +261,10 @@ def test_parameters_go_zero_copy_in_their_own_dtype(ipc_rig, tiny_model):
     assert all(torch.equal(served[n], p.float()) for n, p in params.items())
 
 
-def test_a_push_refused_for_pickle_names_the_variable_and_the_restart(make_rig, tiny_model):
-    # A row of the preflight too (vLLM's /server_info says it); this is what the push says where it could not tell.
+def refused_push(engine, tiny_model) -> str:
+    """The one line a push that `engine` refuses ends in (WeightTransferRefused)."""
     from transformers import AutoModelForCausalLM
 
-    engine = make_rig(*IPC, harbor=False)  # VLLM_ALLOW_INSECURE_SERIALIZATION unset, as vLLM's default
     script = load_script()
     transfer = script.CudaIpcWeightTransfer(engine.engine_url, 60)
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
@@ -273,25 +272,23 @@ def test_a_push_refused_for_pickle_names_the_variable_and_the_restart(make_rig, 
     transfer.pause()
     with pytest.raises(script.WeightTransferRefused) as refused:
         transfer.send_weights((n, p.detach()) for n, p in model.named_parameters())
-    assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve" in str(refused.value)
-    assert "--weight-transfer-config '{\"backend\":\"ipc\"}'" in str(refused.value)
+    return str(refused.value)
+
+
+def test_a_push_refused_for_pickle_names_the_variable_and_the_restart(make_rig, tiny_model):
+    # A row of the preflight too (vLLM's /server_info says it); this is what the push says where it could not tell.
+    engine = make_rig(*IPC, harbor=False)  # VLLM_ALLOW_INSECURE_SERIALIZATION unset, as vLLM's default
+    message = refused_push(engine, tiny_model)
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve" in message
+    assert "--weight-transfer-config '{\"backend\":\"ipc\"}'" in message
     stats = engine.engine_stats()
     assert stats["weight_sync"][-1] == "finish_weight_update" and stats["weight_version"] == 0
 
 
 def test_a_push_vllm_refuses_without_a_message_names_its_log_and_the_likely_causes(make_rig, tiny_model):
     # vLLM 0.26 answers a push its workers refused with a bare 500: the cause is only in vLLM's own log.
-    from transformers import AutoModelForCausalLM
-
     engine = make_rig(*IPC, "--bare-errors", harbor=False)  # VLLM_ALLOW_INSECURE_SERIALIZATION unset
-    script = load_script()
-    transfer = script.CudaIpcWeightTransfer(engine.engine_url, 60)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    transfer.init_weight_transfer()
-    transfer.pause()
-    with pytest.raises(script.WeightTransferRefused) as refused:
-        transfer.send_weights((n, p.detach()) for n, p in model.named_parameters())
-    message = str(refused.value)
+    message = refused_push(engine, tiny_model)
     assert "\n" not in message and "Internal Server Error" in message, message
     for needle in ("vLLM's server log", "VLLM_ALLOW_INSECURE_SERIALIZATION=1", "on another GPU than the trainer"):
         assert needle in message, message
