@@ -10,6 +10,14 @@ and background processes persist between execs exactly as in a container until `
 which takes the whole pid namespace down with it. The network is the host's: the agent must reach
 the capture proxy on 127.0.0.1.
 
+The pre-installed agent starts warm. A real sandbox pays the agent's start-up (mini-swe-agent imports litellm:
+~5 CPU-seconds) on its own CPUs; here every trial shares the host's two cores with the trainer, the engine and the
+server, and the suite runs hundreds of rollouts. So the image's `mini-swe-agent` is a launcher that asks one process
+per server, which has imported litellm once, to fork the agent into the launcher's own namespaces, root, working
+directory, credentials, environment and stdio, and run the real console script there with the same argv
+(agent_zygote.py says what keeps that the same as a cold start, and when it starts cold instead). The agent lives in
+the trial's pid namespace like anything else it started, so `stop()` still takes it down.
+
 Needs root (or CAP_SYS_ADMIN) plus util-linux `unshare`/`nsenter`; `preflight()` says so up front.
 The Dockerfile is never built: only its WORKDIR is honoured. Tasks needing packages must find them
 on the host.
@@ -29,6 +37,7 @@ import sys
 import tempfile
 from pathlib import Path, PurePosixPath
 
+import agent_zygote
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 
@@ -87,6 +96,32 @@ def _read_only_trees() -> list[str]:
         if not any(real == t or real.startswith(t + "/") for t in trees):
             trees.append(real)
     return trees
+
+
+def _agent_python() -> str:
+    """The interpreter of the pre-installed console scripts (their shebang)."""
+    with open(AGENT_VENV / "bin" / PREINSTALLED[0], "rb") as f:
+        return f.readline()[2:].decode().strip()
+
+
+_warm_agent: tuple[str, int, subprocess.Popen] | None = None
+
+
+def _warm_agent_socket() -> str:
+    """The socket of this server's warm agent process, started by the first sandbox. It lives as long as this
+    process: it leaves when the pipe's write end, held only here, closes."""
+    global _warm_agent
+    if _warm_agent is None:
+        name = f"agh-rig-agent-{os.getpid()}-{os.urandom(6).hex()}"
+        lifetime, keep = os.pipe()
+        scripts = [str(AGENT_VENV / "bin" / n) for n in PREINSTALLED if (AGENT_VENV / "bin" / n).exists()]
+        process = subprocess.Popen(
+            [_agent_python(), str(Path(agent_zygote.__file__).resolve()), name, str(lifetime), *scripts],
+            stdin=subprocess.DEVNULL, pass_fds=(lifetime,), env=BASE_ENV, cwd="/", start_new_session=True,
+        )  # fmt: skip
+        os.close(lifetime)
+        _warm_agent = (name, keep, process)
+    return _warm_agent[0]
 
 
 def _child_pid(parent: int) -> int | None:
@@ -162,12 +197,16 @@ class LocalSandbox(BaseEnvironment):
         for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             if Path("/", top).is_symlink():  # merged-/usr hosts: keep the same shape inside
                 (self._root / top).symlink_to(os.readlink(Path("/", top)))
-        # The "image" ships the agent pre-installed where Harbor's run command looks for it.
+        # The "image" ships the agent pre-installed where Harbor's run command looks for it: a launcher that starts
+        # the real console script from the rig's warm process (agent_zygote.py).
         bin_dir = self._root / "root/.local/bin"
         bin_dir.mkdir(parents=True, exist_ok=True)
         for name in PREINSTALLED:
             if (AGENT_VENV / "bin" / name).exists():
-                (bin_dir / name).symlink_to(AGENT_VENV / "bin" / name)
+                launcher = bin_dir / name
+                launcher.write_text(agent_zygote.LAUNCHER.format(
+                    python=_agent_python(), socket=_warm_agent_socket(), script=str(AGENT_VENV / "bin" / name)))
+                launcher.chmod(0o755)
 
         self._init = await asyncio.create_subprocess_exec(
             "unshare", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private",
