@@ -221,6 +221,19 @@ def run_main(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProc
     return proc
 
 
+# Modules by wall time, longest first (their shared training runs). tests/run.sh deals whole modules to its workers
+# (`--dist loadfile`) in collection order, so the long ones start at once and the short ones fill in beside them:
+# started last, one long module alone would set the suite's time. A module not listed runs after these.
+LONGEST_FIRST = ["test_preemption.py", "test_held_out_eval.py", "test_failure_modes.py", "test_multi_rank.py",
+                 "test_train_e2e.py", "test_learning.py", "test_check.py", "test_lora.py", "test_refusals.py",
+                 "test_eval_curate.py", "test_ipc.py", "test_trainer_memory.py", "test_slurm.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its own order
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     # Keyed by the recipe, so checkouts with different recipes sharing one cache never rebuild over each other.

@@ -21,9 +21,12 @@ because vLLM detokenises with `skip_special_tokens=True` and the hermes tool par
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -152,15 +155,34 @@ def is_built(out_dir, interchangeable: tuple[str, ...] = ()) -> bool:
 
 
 def build(out_dir, interchangeable: tuple[str, ...] = ()) -> Path:
-    """Build into `out_dir` unless it already holds this recipe's build; returns the directory."""
+    """Build into `out_dir` unless it already holds this recipe's build; returns the directory.
+
+    Several processes may ask for one directory at once (the suite's xdist workers share AGH_CACHE_DIR, and so do
+    checkouts on one machine): builders take turns on a lock beside it, and each build is written to a private
+    directory and renamed into place, so a reader sees either no build or a whole one, never files being written."""
     out = Path(out_dir)
     if is_built(out, interchangeable):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_built(out, interchangeable):  # built by the holder we waited for
+            return out
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        staging.chmod(0o755)  # as a plain mkdir would make it, not mkdtemp's private 0700
+        try:
+            _write(staging, interchangeable)
+            if out.exists():  # a build of another recipe, or one left unfinished by a crash
+                shutil.rmtree(out)
+            staging.rename(out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _write(out: Path, interchangeable: tuple[str, ...]) -> None:
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / STAMP).unlink(missing_ok=True)  # the stamp is written last, so a crash mid-build reads as "not built"
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=_train_tokenizer(),
@@ -212,7 +234,6 @@ def build(out_dir, interchangeable: tuple[str, ...] = ()) -> Path:
     tokenizer.save_pretrained(out)
     (out / STAMP).write_text(json.dumps({"recipe": RECIPE, "vocab_size": len(tokenizer),
                                          "interchangeable": list(interchangeable)}))
-    return out
 
 
 if __name__ == "__main__":
