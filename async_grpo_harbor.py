@@ -2874,6 +2874,16 @@ class RolloutAccounting:
             + (f"; held-out pass rate {rate(min(held_out))} -> {rate(max(held_out))}" if held_out else ""))
 
 
+def read_only(*queues: Any) -> None:
+    """Drop the trainer's write ends of the rollout child's queues, which only the child writes. Holding them, the
+    trainer waits forever on an item the child died while writing (SIGTERM to the job's process group, the OOM killer,
+    TRL's terminate): a large sample fills the pipe and is written while the trainer reads, and the pipe never reads
+    as closed while one of its write ends is open. Without them the torn item reads as EOFError (`_writer`: mp.Queue
+    has no read-only end)."""
+    for q in queues:
+        q._writer.close()
+
+
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     """TRL's `stop()`, once the child has had `timeout_s` to exit on its own. TRL 1.16's joins it for 15 s, then
     terminates it: a child cannot exit while items it put on `rollout_buffer` / `metrics_queue` are unread (mp.Queue
@@ -3029,7 +3039,10 @@ class VisitOrder:
 def stop_batch_on_preempt(batches, num_processes: int):
     try:
         yield from batches
-    except Preempted:
+    except (Preempted, EOFError) as exc:
+        # EOFError: the rollout child died while handing over a sample (read_only); at a stop, its SIGTERM did.
+        if isinstance(exc, EOFError) and STOP.signal_name is None:
+            raise RuntimeError("the rollout worker died while handing over a sample") from exc
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
@@ -3148,6 +3161,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
             kw.update(dataset=self.order, dataset_start_index=0)
             super().start()
+            read_only(self.rollout_buffer, self.metrics_queue)  # the child holds its own ends once started
 
         def check_health(self, stale_after_s: float) -> None:
             # TRL calls this each time the trainer has waited a queue poll for rollouts: a safe point to stop at.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -113,6 +115,35 @@ def test_a_stop_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, how):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def hand_over_a_sample(samples) -> None:
+    samples.put(b"x" * (8 << 20))  # far more than a pipe holds: written while the trainer reads it
+    time.sleep(600)
+
+
+def test_a_sample_the_rollout_child_dies_handing_over_ends_the_stop_instead_of_hanging_it():
+    """TRL's rollout child hands each sample over a pipe, a large one while the trainer reads it. Killed mid-write
+    (a SIGTERM to the job's process group, the OOM killer), it leaves a torn item in the pipe: the trainer's stop
+    reads it as the end of the queue and exits, where waiting for the rest of it would hang the job past its
+    checkpoint. The worker object stands in for TRL's; its process and queues are real."""
+    from test_preemption import agh
+
+    ctx = multiprocessing.get_context("fork")
+    samples, metrics = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=hand_over_a_sample, args=(samples,), daemon=True)
+    child.start()
+    agh.read_only(samples, metrics)  # what the trainer does once the child has started
+    assert samples._reader.poll(120), "the child wrote nothing"
+    os.kill(child.pid, signal.SIGKILL)  # the sample is torn: the pipe holds its first part only
+    child.join()
+    worker = types.SimpleNamespace(_process=child, rollout_buffer=samples, metrics_queue=metrics,
+                                   samples_left_at_stop=0, _stop_event_mp=ctx.Event())
+    stop = threading.Thread(target=agh.stop_rollout_worker, args=(worker,), daemon=True)
+    stop.start()
+    stop.join(120)  # a guard against a hang, not a time limit: the stop itself takes milliseconds
+    assert not stop.is_alive(), "the stop waits forever for the rest of the torn sample"
+    assert worker._process is None and worker.samples_left_at_stop == 0
 
 
 @pytest.fixture(scope="module")
