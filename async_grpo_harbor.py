@@ -2875,13 +2875,35 @@ class RolloutAccounting:
 
 
 def read_only(*queues: Any) -> None:
-    """Drop the trainer's write ends of the rollout child's queues, which only the child writes. Holding them, the
-    trainer waits forever on an item the child died while writing (SIGTERM to the job's process group, the OOM killer,
-    TRL's terminate): a large sample fills the pipe and is written while the trainer reads, and the pipe never reads
-    as closed while one of its write ends is open. Without them the torn item reads as EOFError (`_writer`: mp.Queue
-    has no read-only end)."""
+    """Drop the trainer's write ends of the rollout child's queues, once the child holds its own. Holding them, a read
+    waits forever on an item the child died while writing (a SIGTERM to the job's process group, the OOM killer, TRL's
+    terminate): a large sample is written while it is read, and a pipe never reads as closed while one of its write
+    ends is open. Without them it reads as EOFError, which `ChildQueue` turns into an empty queue for TRL's reads.
+    `_writer`: mp.Queue has no read-only end."""
     for q in queues:
         q._writer.close()
+
+
+class ChildQueue:
+    """The trainer's reads of a queue the rollout child writes (TRL's `get`, `get_nowait`, `qsize`): once the child
+    is gone, and its pipe closed (`read_only`), the queue reads as empty, as a live child's with nothing to hand over."""
+
+    def __init__(self, mp_queue: Any):
+        self.mp_queue = mp_queue
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        try:
+            return self.mp_queue.get(block, timeout)
+        except EOFError:  # the child is gone, perhaps in the middle of an item
+            if block and timeout:
+                time.sleep(timeout)  # the wait a live child's empty queue would have taken
+            raise queue.Empty from None
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)
+
+    def qsize(self) -> int:
+        return self.mp_queue.qsize()
 
 
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
@@ -3039,10 +3061,7 @@ class VisitOrder:
 def stop_batch_on_preempt(batches, num_processes: int):
     try:
         yield from batches
-    except (Preempted, EOFError) as exc:
-        # EOFError: the rollout child died while handing over a sample (read_only); at a stop, its SIGTERM did.
-        if isinstance(exc, EOFError) and STOP.signal_name is None:
-            raise RuntimeError("the rollout worker died while handing over a sample") from exc
+    except Preempted:
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
@@ -3161,7 +3180,8 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
             kw.update(dataset=self.order, dataset_start_index=0)
             super().start()
-            read_only(self.rollout_buffer, self.metrics_queue)  # the child holds its own ends once started
+            read_only(self.rollout_buffer, self.metrics_queue)
+            self.metrics_queue = ChildQueue(self.metrics_queue)  # TRL's log() reads it
 
         def check_health(self, stale_after_s: float) -> None:
             # TRL calls this each time the trainer has waited a queue poll for rollouts: a safe point to stop at.
@@ -3253,6 +3273,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             super().__init__(*a, **kw)
             if self.rollout_worker is not None:  # TRL's eos ids (tokenizer's + model's); it sets them only on its own
                 self.rollout_worker._loop_kwargs["eos_token_ids"] = self.eos_token_ids
+                self.rollout_queue = ChildQueue(self.rollout_worker.rollout_buffer)  # TRL's dataset reads it
             self.stop_agreed = False
 
         def get_train_dataloader(self):

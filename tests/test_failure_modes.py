@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -144,6 +145,9 @@ def test_a_sample_the_rollout_child_dies_handing_over_ends_the_stop_instead_of_h
     stop.join(120)  # a guard against a hang, not a time limit: the stop itself takes milliseconds
     assert not stop.is_alive(), "the stop waits forever for the rest of the torn sample"
     assert worker._process is None and worker.samples_left_at_stop == 0
+    # TRL's own reads (its dataset, its log) find the dead child's queue empty, as a live child's with nothing to give.
+    with pytest.raises(queue.Empty):
+        agh.ChildQueue(samples).get(timeout=0.1)
 
 
 @pytest.fixture(scope="module")
