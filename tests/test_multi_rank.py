@@ -9,6 +9,7 @@ covered in test_preemption.py with accelerate's own save functions.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from test_preemption import agh, assert_resumed_order
 
 REQUEUE = 75
 RANKS = 2
+EVAL_TASKS = ["echo-hello", "never"]
 
 
 def launch(args: list[str], cwd: Path, stop_when) -> tuple[int, str]:
@@ -72,9 +74,11 @@ def stopped_and_resumed(rig, tmp_path_factory):
     # Two micro-batches per step, --max-staleness 0 and an engine that holds every request once the weights of step 1
     # are in: after step 1 no sample can arrive (those sampled before are stale), so step 2 waits for its second
     # micro-batch, rank 0 in the rollout queue and rank 1 in accelerate's batch broadcast, when the SIGTERM lands.
-    # --save-steps beyond the run: the checkpoint is the stop's own.
+    # --save-steps beyond the run: the checkpoint is the stop's own. A held-out eval before each launch's first step
+    # (step 0, then step 1 in the resumed one), which rank 0 runs while rank 1 waits for it.
     command = train_args(rig, out, "--max-steps", "3", "--micro-batches-per-step", "2", "--save-steps", "100",
-                         "--max-staleness", "0", "--resume", "auto")
+                         "--max-staleness", "0", "--resume", "auto", "--eval-tasks", ",".join(EVAL_TASKS),
+                         "--eval-k", "1", "--eval-steps", "0")
     hold = rig.engine_stats()["weight_version"] + 2  # the cold sync, step 1
     post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "hold_from_weight_version": hold})
     try:
@@ -111,6 +115,18 @@ def assert_stopped_every_rank(output: str, out: Path, saved: dict) -> None:
     assert "[harbor] rank 1: stopped with rank 0 by SIGTERM; exit code 75" in output
     assert output.count("[harbor] SIGTERM: stopping") == 1, "rank 0 alone speaks"
     assert 'async_grpo_harbor.py", line' not in output, "no rank failed"
+
+
+def test_the_other_ranks_wait_for_rank_0s_held_out_eval(stopped_and_resumed):
+    """Rank 0 alone runs the eval, before the launch's first step, while rank 1 waits for it in a group of its own,
+    outside training's collectives; then every rank trains on, and stops together."""
+    _, first, _, _, _, resumed, out = stopped_and_resumed
+    for step, output in ((0, first), (1, resumed)):
+        assert len(re.findall(rf"\[harbor\] eval at step {step}: pass rate [\d.]+ \(\d/2\) on 2 held-out tasks",
+                              output)) == 1, output[-5000:]
+        assert "[harbor] rank 1: stopped with rank 0 by SIGTERM" in output  # it got past the eval, into training
+    assert sorted((r["step"], r["task"]) for r in csv.DictReader((out / "eval.csv").open())) == \
+        [(str(step), task) for step in (0, 1) for task in sorted(EVAL_TASKS)]
 
 
 def test_the_process_group_timeout_is_sized_from_the_rollout_budget(stopped_and_resumed):
