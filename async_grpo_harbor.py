@@ -2878,7 +2878,8 @@ def read_only(*queues: Any) -> None:
     """Drop the trainer's write ends of the rollout child's queues, once the child holds its own. Holding them, a read
     waits forever on an item the child died while writing (a SIGTERM to the job's process group, the OOM killer, TRL's
     terminate): a large sample is written while it is read, and a pipe never reads as closed while one of its write
-    ends is open. Without them it reads as EOFError, which `ChildQueue` turns into an empty queue for TRL's reads.
+    ends is open. Without them it reads as EOFError (OSError part-way through an item), which `ChildQueue` turns into
+    an empty queue for TRL's reads.
     `_writer`: mp.Queue has no read-only end."""
     for q in queues:
         q._writer.close()
@@ -2894,7 +2895,7 @@ class ChildQueue:
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         try:
             return self.mp_queue.get(block, timeout)
-        except EOFError:  # the child is gone, perhaps in the middle of an item
+        except (EOFError, OSError):  # the child is gone; OSError: in the middle of an item (connection._recv)
             if block and timeout:
                 time.sleep(timeout)  # the wait a live child's empty queue would have taken
             raise queue.Empty from None
@@ -3180,8 +3181,9 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
             self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
             kw.update(dataset=self.order, dataset_start_index=0)
             super().start()
-            read_only(self.rollout_buffer, self.metrics_queue)
+            read_only(self.rollout_buffer, self.metrics_queue, self._exception_info_queue)
             self.metrics_queue = ChildQueue(self.metrics_queue)  # TRL's log() reads it
+            self._exception_info_queue = ChildQueue(self._exception_info_queue)  # TRL's check_health() reads it
 
         def check_health(self, stale_after_s: float) -> None:
             # TRL calls this each time the trainer has waited a queue poll for rollouts: a safe point to stop at.

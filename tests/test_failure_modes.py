@@ -123,10 +123,25 @@ def hand_over_a_sample(samples) -> None:
     time.sleep(600)
 
 
-def test_a_sample_the_rollout_child_dies_handing_over_ends_the_stop_instead_of_hanging_it():
+def read_as_the_stop_does(worker) -> None:
+    from test_preemption import agh
+
+    agh.stop_rollout_worker(worker)
+    assert worker._process is None and worker.samples_left_at_stop == 0
+
+
+def read_as_trl_does(worker) -> None:
+    from test_preemption import agh
+
+    with pytest.raises(queue.Empty):  # as a live child's queue with nothing to give
+        agh.ChildQueue(worker.rollout_buffer).get(timeout=0.1)
+
+
+@pytest.mark.parametrize("read", [read_as_the_stop_does, read_as_trl_does], ids=["the stop", "TRL's dataset"])
+def test_a_sample_the_rollout_child_dies_handing_over_reads_as_the_end_of_the_queue(read):
     """TRL's rollout child hands each sample over a pipe, a large one while the trainer reads it. Killed mid-write
-    (a SIGTERM to the job's process group, the OOM killer), it leaves a torn item in the pipe: the trainer's stop
-    reads it as the end of the queue and exits, where waiting for the rest of it would hang the job past its
+    (a SIGTERM to the job's process group, the OOM killer), it leaves a torn item in the pipe: the trainer's stop and
+    TRL's own reads take it as the end of the queue, where waiting for the rest of it would hang the job past its
     checkpoint. The worker object stands in for TRL's; its process and queues are real."""
     from test_preemption import agh
 
@@ -140,14 +155,20 @@ def test_a_sample_the_rollout_child_dies_handing_over_ends_the_stop_instead_of_h
     child.join()
     worker = types.SimpleNamespace(_process=child, rollout_buffer=samples, metrics_queue=metrics,
                                    samples_left_at_stop=0, _stop_event_mp=ctx.Event())
-    stop = threading.Thread(target=agh.stop_rollout_worker, args=(worker,), daemon=True)
-    stop.start()
-    stop.join(120)  # a guard against a hang, not a time limit: the stop itself takes milliseconds
-    assert not stop.is_alive(), "the stop waits forever for the rest of the torn sample"
-    assert worker._process is None and worker.samples_left_at_stop == 0
-    # TRL's own reads (its dataset, its log) find the dead child's queue empty, as a live child's with nothing to give.
-    with pytest.raises(queue.Empty):
-        agh.ChildQueue(samples).get(timeout=0.1)
+    errors = []
+    reader = threading.Thread(target=lambda: errors.extend(capture(read, worker)), daemon=True)
+    reader.start()
+    reader.join(120)  # a guard against a hang, not a time limit: the read itself takes milliseconds
+    assert not reader.is_alive(), "the read waits forever for the rest of the torn sample"
+    assert not errors, errors
+
+
+def capture(read, worker) -> list[BaseException]:
+    try:
+        read(worker)
+    except BaseException as exc:  # noqa: BLE001 - reported by the test's own thread
+        return [exc]
+    return []
 
 
 @pytest.fixture(scope="module")
