@@ -30,6 +30,11 @@ import pytest
 # Nothing here reaches the hub. huggingface_hub reads this once, at its first import, which the collection of a test
 # module can trigger: without it an in-process preflight of a hub model id waits ~23 s on the network.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# A shell starts a background job (`cmd &`, as a CI runner may) with SIGINT ignored, and every process started under
+# it inherits that: the script would never see the Ctrl-C its tests send (seen: a fresh-clone run's Ctrl-C test waited
+# out its 300 s). They send it as a terminal does to its foreground job, whose SIGINT is the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 RIG = ROOT / "tests" / "rig"
