@@ -2908,13 +2908,16 @@ class ChildQueue:
 
 
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
-    """TRL's `stop()`, once the child has had `timeout_s` to exit on its own. TRL 1.16's joins it for 15 s, then
-    terminates it: a child cannot exit while items it put on `rollout_buffer` / `metrics_queue` are unread (mp.Queue
-    flushes its pipe at exit), and at a preemption those seconds come out of the grace period before the checkpoint
-    save. The stop Event is set from a thread: if the child died holding the Event's lock, `set()` never returns.
-    The samples it drains count in the run's totals as produced but never trained; the run's files hold the rest.
-    The metrics it drains stay for the trainer's next log (TRL's reads `metrics_queue`): a stop before the last
-    step's log (the final held-out eval) loses none of that step's. Called again once stopped, it does nothing."""
+    """TRL's `stop()`, less its wait on the stop Event: the child gets `timeout_s` to exit on its own, then SIGTERM
+    (it releases its server sessions on the way out), then SIGKILL. TRL 1.16's joins it for 15 s first: a child cannot
+    exit while items it put on `rollout_buffer` / `metrics_queue` are unread (mp.Queue flushes its pipe at exit), and
+    at a preemption those seconds come out of the grace period before the checkpoint save. The Event is set from a
+    thread, never here: `set()` waits for every process that ever waited on it to wake, and the child's stop watcher
+    dies unwoken when the child ends on its own, so a `set()` during or after that waits forever (seen: a run whose
+    rollouts all failed hung at its stop under load). The samples it drains count in the run's totals as produced but
+    never trained; the run's files hold the rest. The metrics it drains stay for the trainer's next log (TRL's reads
+    `metrics_queue`): a stop before the last step's log (the final held-out eval) loses none of that step's. Called
+    again once stopped, it does nothing."""
     proc, t0, kept = worker._process, time.monotonic(), queue.Queue()
 
     def drain() -> None:
@@ -2929,17 +2932,28 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
             except (queue.Empty, OSError, EOFError, ValueError):
                 pass
 
-    if proc is not None and proc.is_alive():
-        threading.Thread(target=worker._stop_event_mp.set, daemon=True).start()
-        while proc.is_alive() and time.monotonic() - t0 < timeout_s:
+    def wait_for_exit(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while proc.is_alive() and time.monotonic() < deadline:
             drain()
             proc.join(timeout=0.05)
+
+    terminated = False
+    if proc is not None and proc.is_alive():
+        threading.Thread(target=worker._stop_event_mp.set, daemon=True).start()
+        wait_for_exit(timeout_s)
+        if proc.is_alive():
+            say(f"[harbor] rollout worker still running after {timeout_s:g}s: terminating it")
+            proc.terminate()  # SIGTERM: it closes its server sessions (_abandon), up to 10 s
+            wait_for_exit(15.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            terminated = True
     drain()  # what the child flushed as it exited
-    if proc is not None and not proc.is_alive():
+    if proc is not None and proc._popen is not None and not terminated:  # _popen: None if it never started
         say(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s (exit code {proc.exitcode})")
-        worker._process = None
-    HarnessRolloutWorker.stop(worker)  # a child still running: TRL's join, then SIGTERM (it releases its sessions)
-    drain()
+    worker._process = None
     worker.metrics_queue = kept
 
 

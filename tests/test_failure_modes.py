@@ -171,6 +171,40 @@ def capture(read, worker) -> list[BaseException]:
     return []
 
 
+def wait_on(event) -> None:
+    event.wait()
+
+
+def test_a_stop_event_a_dead_process_waited_on_does_not_hang_the_stop():
+    """mp.Event.set() waits until every process waiting on the Event has woken. TRL's rollout child waits on its stop
+    Event in a watcher thread that dies unwoken when the child ends on its own, so a set() from then on never returns:
+    the trainer's stop must not wait on it, and ends a child that outlives its grace by SIGTERM. Here the dead waiter
+    is a process of its own, killed while it waits; the worker object stands in for TRL's, its process is real."""
+    from accelerate import PartialState
+    from test_preemption import agh
+
+    PartialState()  # as in the trainer: TRL's stop logs through accelerate
+    ctx = multiprocessing.get_context("fork")
+    stop_event = ctx.Event()
+    waiter = ctx.Process(target=wait_on, args=(stop_event,), daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 120
+    while stop_event._cond._sleeping_count.get_value() == 0:  # the waiter is inside wait()
+        assert time.monotonic() < deadline, "the waiter never waited"
+        time.sleep(0.01)
+    os.kill(waiter.pid, signal.SIGKILL)
+    waiter.join()
+    child = ctx.Process(target=time.sleep, args=(600,), daemon=True)  # a child that does not exit on its own
+    child.start()
+    worker = types.SimpleNamespace(_process=child, rollout_buffer=ctx.Queue(), metrics_queue=ctx.Queue(),
+                                   samples_left_at_stop=0, _stop_event_mp=stop_event)
+    stop = threading.Thread(target=agh.stop_rollout_worker, args=(worker, 0.5), daemon=True)
+    stop.start()
+    stop.join(120)  # a guard against a hang, not a time limit
+    assert not stop.is_alive(), "the stop waits forever in the stop Event's set()"
+    assert child.exitcode == -signal.SIGTERM and worker._process is None
+
+
 @pytest.fixture(scope="module")
 def skewed_run(rig, tmp_path_factory):
     """One run read by two tests: an engine that samples at T but reports logprobs at T + 0.3, and a task list whose
