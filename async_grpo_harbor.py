@@ -135,10 +135,6 @@ from trl.experimental.async_grpo.weight_transfer import WeightTransferClient  # 
 
 DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
-# Prefix of the error the rollout child raises to stop training; train() finds it in TRL's wrapped exception.
-ROLLOUTS_FAILING = "harbor rollouts failing:"
-# The same, for a long run of groups whose rewards were all equal (nothing left to learn from).
-NO_SIGNAL = "harbor groups carry no signal:"
 # EX_TEMPFAIL: "stopped on request, a checkpoint holds everything; relaunch me". SLURM wrappers requeue on it.
 REQUEUE_EXIT_CODE = 75
 
@@ -350,6 +346,29 @@ class LoraArguments:
 
 class UsageError(Exception):
     """Bad input or an unusable setup: reported as one line, exit code 2."""
+
+
+class TrainingStopped(ValueError):
+    """A stop this script decides, its reason written for the user as one line (`error: training stopped: ...`,
+    exit 1). A ValueError: the one kind TRL's harness loop lets out of a rollout (wrapped in CaptureContractError),
+    which ends TRL's rollout child and reaches the trainer through TRL's failure channel."""
+
+
+class RolloutsFailing(TrainingStopped):
+    """Rollouts stopped being scorable for a reason outside the policy: --max-consecutive-failures of them in a row, or
+    the Harbor server gone for longer than --harbor-retry-window."""
+
+
+class NoSignal(TrainingStopped):
+    """--max-zero-variance-groups groups in a row scored all their rollouts alike: no advantage is left to learn."""
+
+
+def stop_from_child(exc: RuntimeError) -> TrainingStopped | None:
+    """The TrainingStopped the rollout child raised, rebuilt in the trainer: TRL's failure channel carries only the
+    type's name and message, as the text of the RuntimeError its check_health raises from ("Name: message\n")."""
+    name, _, message = str(exc.__cause__ or "").partition(": ")
+    kind = {kind.__name__: kind for kind in (RolloutsFailing, NoSignal)}.get(name)
+    return None if kind is None else kind(" ".join(message.split()))
 
 
 # The fields declared here, listed by --help; the other AsyncGRPOConfig fields appear under --help-all.
@@ -1039,8 +1058,8 @@ class HarborSessionFactory(ResourceSessionFactory):
 
     def _stop_run(self, reason: str) -> None:
         """Stop training, through the one channel TRL offers: a ValueError out of `fetch_training_trace()`, which the
-        script's rollout loop hands to the trainer without a traceback; the trainer says why in one line."""
-        raise ValueError(redact(f"{ROLLOUTS_FAILING} {reason}"))
+        script's rollout loop hands to the trainer without a traceback (`HarborRolloutLoop._run_loops`)."""
+        raise RolloutsFailing(redact(reason))
 
     def _write_record(self, session: HarborSession) -> None:
         if not self.record_path:
@@ -2446,7 +2465,7 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
             for future in finished:
                 try:
                     unit, session = future.result()
-                except ValueError as exc:  # record_outcome: --max-consecutive-failures reached
+                except RolloutsFailing as exc:  # record_outcome: --max-consecutive-failures reached
                     stop_reason = str(exc)
                     continue
                 outcomes[unit].append(session)
@@ -2670,7 +2689,7 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
     `_score_group` is where TRL turns a finished group into samples: the group's rewards are shaped first
     (`shape_group_rewards`), TRL's own code normalises them into advantages, and a group with zero variance is kept
     out of the trainer's queue unless --max-zero-variance-groups is 0. A run of such groups stops the worker with
-    NO_SIGNAL, which the trainer reports as one line. The group's figures go into TRL's counters and rates, which TRL
+    NoSignal, which the trainer reports as one line. The group's figures go into TRL's counters and rates, which TRL
     pushes onto its metric queue as soon as this returns; the factory pushes each rollout's own.
     """
 
@@ -2720,8 +2739,8 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         self.flat_run.append(rewards[0] > 0)
         if len(self.flat_run) >= self.max_zero_variance_groups:
             solved = sum(self.flat_run)
-            raise ValueError(
-                f"{NO_SIGNAL} the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} "
+            raise NoSignal(
+                f"the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} "
                 f"solved by every rollout, {len(self.flat_run) - solved} by none), so no advantage was left to "
                 "learn from: the tasks are too hard or too easy for the model. Measure pass rates (--eval-only "
                 "--curate) and train on the curated list, or raise --max-zero-variance-groups")
@@ -2742,11 +2761,12 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         try:
             await super()._run_loops(stop_event)
         except ValueError as exc:
-            if not str(exc).startswith((ROLLOUTS_FAILING, NO_SIGNAL)):
+            stop = exc if isinstance(exc, TrainingStopped) else exc.__cause__  # TRL's CaptureContractError wraps it
+            if not isinstance(stop, TrainingStopped):
                 raise
-            # A stop this script decided, its reason written for the user: sent through TRL's failure channel
-            # (the trainer raises it from check_health) without the three tracebacks TRL's child prints for a crash.
-            self._exception_info_queue.put_nowait((type(exc).__name__, str(exc), ""))
+            # Sent through TRL's failure channel (the trainer raises it again from check_health, `stop_from_child`)
+            # without the three tracebacks TRL's child prints for a crash.
+            self._exception_info_queue.put_nowait((type(stop).__name__, str(stop), ""))
             self._failed_event.set()
             # TRL's gather left the generate loop running; closing the event loop under it printed "Task was
             # destroyed but it is pending" and a traceback at the child's exit (seen in CI).
@@ -3181,236 +3201,256 @@ class CudaIpcWeightTransfer:
         pass  # nothing to release: no process group, and vLLM keeps no handle past a push
 
 
+class HarborRolloutWorker(HarnessRolloutWorker):
+    """TRL's harness worker running HarborRolloutLoop in its child, visiting the dataset in resume order, and stopping
+    on a signal (`check_health`) or as the script's stop_rollout_worker does."""
+
+    _loop_cls = HarborRolloutLoop
+    stop = stop_rollout_worker
+    samples_left_at_stop = 0
+    pending: tuple[int, ...] = ()  # the untrained groups the resumed checkpoint left (_inner_training_loop sets it)
+
+    def start(self) -> None:
+        # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
+        kw = self._loop_kwargs
+        self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
+        kw.update(dataset=self.order, dataset_start_index=0)
+        super().start()
+        read_only(self.rollout_buffer, self.metrics_queue, self._exception_info_queue)
+        self.metrics_queue = ChildQueue(self.metrics_queue)  # TRL's log() reads it
+        self._exception_info_queue = ChildQueue(self._exception_info_queue)  # TRL's check_health() reads it
+
+    def check_health(self, stale_after_s: float) -> None:
+        # TRL calls this each time the trainer has waited a queue poll for rollouts: a safe point to stop at.
+        if STOP.signal_name is not None:
+            raise Preempted(STOP.signal_name)
+        try:
+            super().check_health(stale_after_s)
+        except RuntimeError as exc:
+            stop = stop_from_child(exc)
+            if stop is None:
+                raise
+            raise stop from None  # the child's reason is the whole story: TRL's wrapping adds nothing to it
+
+class StopAtStepEnd(TrainerCallback):
+    """Ends training at this step's end, with a save, once any rank has a stop request (SIGTERM, SIGUSR1)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, _args, _state, control, **_kwargs):
+        trainer = self.trainer
+        # A signal may reach some ranks only, or at other times: they agree here, as TRL's epoch stop does.
+        asked = torch.tensor(int(STOP.signal_name is not None), device=trainer.accelerator.device)
+        if int(trainer.accelerator.reduce(asked, reduction="sum").item()):
+            trainer.stop_agreed = True
+            control.should_save = True
+            control.should_training_stop = True
+
+class HeldOutEval(TrainerCallback):
+    """--eval-tasks on rank 0, before the first step, every --eval-steps and at the last. It runs inside the
+    step's end, after TRL's callback pushed that step's weights and before the next step can push again: every
+    eval rollout samples the weights of the step it is logged at (with --weight-sync-steps 1, TRL's default).
+    It runs before StopAtStepEnd: a stop request cuts it short, and the same step's end then stops and saves.
+    The final eval runs once TRL's rollout child has stopped: no training rollout is generated beside it.
+
+    The other ranks wait for it in `group`, a gloo group whose timeout is the eval's budget (eval_budget_s),
+    outside the collectives of training, whose timeout (ddp_timeout) is sized for collecting one group."""
+
+    def __init__(self, trainer, args: argparse.Namespace, plan: dict[str, Any], group):
+        self.trainer, self.args, self.plan, self.group = trainer, args, plan, group
+        self.ran: set[int] = set()
+        self.done = {}  # step -> eval/pass_rate of each whole eval (None: nothing scored)
+
+    def run(self, state, control, final: bool = False) -> None:
+        step, trainer = state.global_step, self.trainer
+        if step in self.ran:
+            return
+        self.ran.add(step)
+        # The checkpoint resumed from holds its step's whole eval (every rank read the same trainer_state.json):
+        # measuring it again would record the step twice. One cut short by the stop is measured again.
+        record = next((e for e in state.log_history if e.get("step") == step and whole_eval(e)), None)
+        if record is not None:
+            self.done[step] = record.get("eval/pass_rate")
+            if trainer.accelerator.is_main_process:
+                say(f"[harbor] eval at step {step}: on record in the resumed checkpoint, not measured again")
+            return
+        if trainer.accelerator.is_main_process:
+            if final and trainer.rollout_worker is not None:
+                trainer.rollout_worker.stop()
+                say("[harbor] rollout worker stopped: no training rollout runs beside the final eval")
+            metrics = held_out_eval(self.args, self.plan, step)
+            if whole_eval(metrics):
+                self.done[step] = metrics.get("eval/pass_rate")
+            should_log = control.should_log  # on_log clears it, which would drop the step's own log line
+            Trainer.log(trainer, metrics)  # transformers' own: TRL's log() would take the step's metrics too
+            control.should_log = should_log
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def on_train_begin(self, _args, state, control, **_kwargs):
+        self.run(state, control)
+
+    def on_step_end(self, _args, state, control, **_kwargs):
+        last = state.global_step >= state.max_steps
+        if last or (self.args.eval_steps and state.global_step % self.args.eval_steps == 0):
+            self.run(state, control, final=last)
+
+    def on_train_end(self, _args, state, control, **_kwargs):
+        if not self.trainer.stop_agreed:  # training ended before its last step (TRL's epoch stop)
+            self.run(state, control, final=True)
+
+class StepLog(Trainer):
+    """Comes after AsyncGRPOTrainer in HarborGRPOTrainer's MRO, so its log() runs between TRL's, which drained the
+    rollout child's metrics and reduced them by name, and transformers', which records the step's log: the one point
+    where the step's figures are complete and can still be added to (RolloutAccounting.step)."""
+
+    accounting: RolloutAccounting
+
+    def log(self, logs, start_time=None):
+        if "loss" in logs and self.accelerator.is_main_process:
+            self.accounting.step(self.state.global_step, logs)
+        elif self.accelerator.is_main_process:  # the run's closing log: what TRL counted after the last step
+            self.accounting.count(logs)
+        super().log(logs, start_time)
+
+class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
+    """AsyncGRPOTrainer with this script's accounting, stops, resume order, staged checkpoints and merged LoRA pushes.
+    The transformers methods it overrides are private (pinned exactly in the header); each says why beside it."""
+
+    _staging_dir: str | None = None
+
+    def __init__(self, *a, accounting: RolloutAccounting, **kw):
+        self.accounting = accounting  # before TRL's __init__, which may log
+        self.held_out: dict[int, float | None] = {}  # HeldOutEval's whole evals: step -> eval/pass_rate
+        super().__init__(*a, **kw)
+        if self.rollout_worker is not None:  # TRL's eos ids (tokenizer's + model's); it sets them only on its own
+            self.rollout_worker._loop_kwargs["eos_token_ids"] = self.eos_token_ids
+            self.rollout_queue = ChildQueue(self.rollout_worker.rollout_buffer)  # TRL's dataset reads it
+        self.stop_agreed = False
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        if self.accelerator.is_main_process:  # the only process that collates (accelerate dispatches batches)
+            # accelerate's dispatcher pulls each micro-batch from rank 0's loader and broadcasts it; the other
+            # ranks wait in that broadcast while rank 0 waits for rollouts. A stop that ends rank 0's wait
+            # reaches them as one more batch, so every rank leaves the step at the same point.
+            base = getattr(loader, "base_dataloader", loader)
+            base.collate_fn = self.accounting.collate_with(base.collate_fn)
+            make = base._get_iterator
+            base._get_iterator = lambda: stop_batch_on_preempt(make(), self.accelerator.num_processes)
+        return loader
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if any(STOP_BATCH in batch for batch in batches):
+            self.stop_agreed = True
+            raise Preempted(STOP.signal_name or "a stop on rank 0")
+        return batches, count
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.is_main_process:
+            self.accounting.take_microbatch()
+        return loss
+
+    def resume_position(self) -> tuple[list[int], int]:
+        """Unsettled visits and the next visit, for rollout_state.json. Settled, never run again: a group an
+        optimizer step trained, and one the rollout child settled without a sample (kept out for zero variance,
+        or none of its rollouts scorable, which a rerun would fail again; groups.jsonl). Every other group the
+        trainer took or the child scored runs again (collated ahead, in a dropped step, stale, still queued). The
+        step's log (every step) has counted its groups as trained before a save reads them."""
+        done = self.accounting.trained_groups | {g for g, outcome in self.accounting.settled_groups().items()
+                                                 if outcome != "samples"}
+        seen = max(self._trained_groups | done, default=-1) + 1  # TRL's set of the groups it collated
+        return self.rollout_worker.order.after(seen, done)
+
+    def _inner_training_loop(self, *a, **kw):
+        checkpoint = kw.get("resume_from_checkpoint")
+        if self.rollout_worker is not None and checkpoint:
+            state = json.loads((Path(checkpoint) / "rollout_state.json").read_text())
+            self.rollout_worker.pending = [int(v) for v in state.get("pending", [])]
+        try:
+            return super()._inner_training_loop(*a, **kw)
+        finally:  # TRL's own `finally` has stopped the rollout child by now
+            if self.accelerator.is_main_process:
+                self.accounting.finish(self.rollout_worker.samples_left_at_stop, self.held_out)
+
+    def _init_lora_sync(self, model):
+        # Merged sync only (the preflight refuses an --enable-lora vLLM): TRL's adapter-only sync registers
+        # adapters under its own names, which the capture proxy never asks for.
+        return False
+
+    def _sync_weight_merged(self, t0):
+        model = self.accelerator.unwrap_model(self.model)
+        if not is_peft_model(model):
+            return super()._sync_weight_merged(t0)
+        # PEFT's merge_adapter adds the adapter into the base weights in place and unmerge_adapter subtracts it:
+        # in bfloat16 the round trip is not exact, so the frozen base would drift by rounding steps at every
+        # push. _streaming_iter streams the same sum, rounded once, out of place instead.
+        model.merge_adapter = model.unmerge_adapter = lambda *a, **kw: None
+        try:
+            return super()._sync_weight_merged(t0)
+        finally:
+            del model.merge_adapter, model.unmerge_adapter
+
+    def _streaming_iter(self):
+        model = self.accelerator.unwrap_model(self.model)
+        if not is_peft_model(model):
+            yield from super()._streaming_iter()
+            return
+        from peft.tuners.lora import LoraLayer
+
+        layers = {id(m.get_base_layer().weight): m for m in model.modules() if isinstance(m, LoraLayer)}
+        for name, param in _iter_vllm_named_params(model):
+            tensor, layer = param.detach(), layers.get(id(param))
+            if layer is not None:
+                with torch.no_grad():  # W + delta in float32, rounded once: PEFT's merge arithmetic
+                    for adapter in layer.active_adapters:
+                        tensor = tensor + layer.get_delta_weight(adapter)
+                tensor = tensor.to(param.dtype)
+            yield name, tensor.to(self.accelerator.device)
+
+    def _get_output_dir(self, trial):
+        # transformers and TRL write a checkpoint file by file into <output dir>/checkpoint-N; pointing them at a
+        # staging dir while they do means a kill mid-save leaves no half-written checkpoint-N behind.
+        return self._staging_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        name = f"checkpoint-{self.state.global_step}"
+        run_dir = Path(super()._get_output_dir(trial))
+        staging = run_dir / f".staging-{name}"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+        self.accelerator.wait_for_everyone()  # no rank writes into the staging dir before it is emptied
+        self._staging_dir = str(staging)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        self.accelerator.wait_for_everyone()  # every rank's files are in before the rename
+        if not self.accelerator.is_main_process:
+            return
+        # TRL resumes at the first group no micro-batch held, which repeats trained groups after it and skips
+        # the ones accelerate collated ahead or a stop dropped; resume_position() knows which were trained.
+        state_file = staging / name / "rollout_state.json"
+        state = json.loads(state_file.read_text())
+        state["pending"], state["prompt_index"] = self.resume_position()
+        state_file.write_text(json.dumps(state))  # in the staging dir: published whole by the rename below
+        # One rename puts the whole checkpoint in place. transformers rotated checkpoints in the dir it saved into,
+        # the staging dir, which holds only this one: the rotation runs here, after the rename, over the run dir.
+        final, replaced = run_dir / name, run_dir / f".replaced-{name}"
+        if final.exists():  # an unusable checkpoint of this step, from before a fallback to an older one
+            shutil.rmtree(replaced, ignore_errors=True)
+            final.rename(replaced)
+        (staging / name).rename(final)
+        shutil.rmtree(replaced, ignore_errors=True)
+        rotate_checkpoints(str(run_dir), save_total_limit=self.args.save_total_limit, use_mtime=True)
+        staging.rmdir()
+
+
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
                   plan: dict[str, Any] | None = None):
-    class HarborRolloutWorker(HarnessRolloutWorker):
-        _loop_cls = HarborRolloutLoop
-        stop = stop_rollout_worker
-        samples_left_at_stop = 0
-        pending: list[int] = []  # the untrained groups the resumed checkpoint left (_inner_training_loop)
-
-        def start(self) -> None:
-            # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
-            kw = self._loop_kwargs
-            self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
-            kw.update(dataset=self.order, dataset_start_index=0)
-            super().start()
-            read_only(self.rollout_buffer, self.metrics_queue, self._exception_info_queue)
-            self.metrics_queue = ChildQueue(self.metrics_queue)  # TRL's log() reads it
-            self._exception_info_queue = ChildQueue(self._exception_info_queue)  # TRL's check_health() reads it
-
-        def check_health(self, stale_after_s: float) -> None:
-            # TRL calls this each time the trainer has waited a queue poll for rollouts: a safe point to stop at.
-            if STOP.signal_name is not None:
-                raise Preempted(STOP.signal_name)
-            super().check_health(stale_after_s)
-
-    class StopAtStepEnd(TrainerCallback):
-        def __init__(self, trainer):
-            self.trainer = trainer
-
-        def on_step_end(self, _args, _state, control, **_kwargs):
-            trainer = self.trainer
-            # A signal may reach some ranks only, or at other times: they agree here, as TRL's epoch stop does.
-            asked = torch.tensor(int(STOP.signal_name is not None), device=trainer.accelerator.device)
-            if int(trainer.accelerator.reduce(asked, reduction="sum").item()):
-                trainer.stop_agreed = True
-                control.should_save = True
-                control.should_training_stop = True
-
-    class HeldOutEval(TrainerCallback):
-        """--eval-tasks on rank 0, before the first step, every --eval-steps and at the last. It runs inside the
-        step's end, after TRL's callback pushed that step's weights and before the next step can push again: every
-        eval rollout samples the weights of the step it is logged at (with --weight-sync-steps 1, TRL's default).
-        It runs before StopAtStepEnd: a stop request cuts it short, and the same step's end then stops and saves.
-        The final eval runs once TRL's rollout child has stopped: no training rollout is generated beside it.
-
-        The other ranks wait for it in `group`, a gloo group whose timeout is the eval's budget (eval_budget_s),
-        outside the collectives of training, whose timeout (ddp_timeout) is sized for collecting one group."""
-
-        def __init__(self, trainer, group):
-            self.trainer, self.group = trainer, group
-            self.ran: set[int] = set()
-            self.done = {}  # step -> eval/pass_rate of each whole eval (None: nothing scored)
-
-        def run(self, state, control, final: bool = False) -> None:
-            step, trainer = state.global_step, self.trainer
-            if step in self.ran:
-                return
-            self.ran.add(step)
-            # The checkpoint resumed from holds its step's whole eval (every rank read the same trainer_state.json):
-            # measuring it again would record the step twice. One cut short by the stop is measured again.
-            record = next((e for e in state.log_history if e.get("step") == step and whole_eval(e)), None)
-            if record is not None:
-                self.done[step] = record.get("eval/pass_rate")
-                if trainer.accelerator.is_main_process:
-                    say(f"[harbor] eval at step {step}: on record in the resumed checkpoint, not measured again")
-                return
-            if trainer.accelerator.is_main_process:
-                if final and trainer.rollout_worker is not None:
-                    trainer.rollout_worker.stop()
-                    say("[harbor] rollout worker stopped: no training rollout runs beside the final eval")
-                metrics = held_out_eval(args, plan, step)
-                if whole_eval(metrics):
-                    self.done[step] = metrics.get("eval/pass_rate")
-                should_log = control.should_log  # on_log clears it, which would drop the step's own log line
-                Trainer.log(trainer, metrics)  # transformers' own: TRL's log() would take the step's metrics too
-                control.should_log = should_log
-            if self.group is not None:
-                dist.barrier(group=self.group)
-
-        def on_train_begin(self, _args, state, control, **_kwargs):
-            self.run(state, control)
-
-        def on_step_end(self, _args, state, control, **_kwargs):
-            last = state.global_step >= state.max_steps
-            if last or (args.eval_steps and state.global_step % args.eval_steps == 0):
-                self.run(state, control, final=last)
-
-        def on_train_end(self, _args, state, control, **_kwargs):
-            if not self.trainer.stop_agreed:  # training ended before its last step (TRL's epoch stop)
-                self.run(state, control, final=True)
-
-    class StepLog(Trainer):
-        """Comes after AsyncGRPOTrainer in the trainer's MRO, so its log() runs between TRL's, which drained the rollout
-        child's metrics and reduced them by name, and transformers', which records the step's log."""
-
-        def log(self, logs, start_time=None):
-            if "loss" in logs and self.accelerator.is_main_process:
-                accounting.step(self.state.global_step, logs)
-            elif self.accelerator.is_main_process:  # the run's closing log: what TRL counted after the last step
-                accounting.count(logs)
-            super().log(logs, start_time)
-
-    class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
-        _staging_dir: str | None = None
-
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            if self.rollout_worker is not None:  # TRL's eos ids (tokenizer's + model's); it sets them only on its own
-                self.rollout_worker._loop_kwargs["eos_token_ids"] = self.eos_token_ids
-                self.rollout_queue = ChildQueue(self.rollout_worker.rollout_buffer)  # TRL's dataset reads it
-            self.stop_agreed = False
-
-        def get_train_dataloader(self):
-            loader = super().get_train_dataloader()
-            if self.accelerator.is_main_process:  # the only process that collates (accelerate dispatches batches)
-                # accelerate's dispatcher pulls each micro-batch from rank 0's loader and broadcasts it; the other
-                # ranks wait in that broadcast while rank 0 waits for rollouts. A stop that ends rank 0's wait
-                # reaches them as one more batch, so every rank leaves the step at the same point.
-                base = getattr(loader, "base_dataloader", loader)
-                base.collate_fn = accounting.collate_with(base.collate_fn)
-                make = base._get_iterator
-                base._get_iterator = lambda: stop_batch_on_preempt(make(), self.accelerator.num_processes)
-            return loader
-
-        def get_batch_samples(self, epoch_iterator, num_batches, device):
-            batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
-            if any(STOP_BATCH in batch for batch in batches):
-                self.stop_agreed = True
-                raise Preempted(STOP.signal_name or "a stop on rank 0")
-            return batches, count
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            if self.accelerator.is_main_process:
-                accounting.take_microbatch()
-            return loss
-
-        def resume_position(self) -> tuple[list[int], int]:
-            """Unsettled visits and the next visit, for rollout_state.json. Settled, never run again: a group an
-            optimizer step trained, and one the rollout child settled without a sample (kept out for zero variance,
-            or none of its rollouts scorable, which a rerun would fail again; groups.jsonl). Every other group the
-            trainer took or the child scored runs again (collated ahead, in a dropped step, stale, still queued). The
-            step's log (every step) has counted its groups as trained before a save reads them."""
-            done = accounting.trained_groups | {g for g, outcome in accounting.settled_groups().items()
-                                                if outcome != "samples"}
-            seen = max(self._trained_groups | done, default=-1) + 1  # TRL's set of the groups it collated
-            return self.rollout_worker.order.after(seen, done)
-
-        def _inner_training_loop(self, *a, **kw):
-            checkpoint = kw.get("resume_from_checkpoint")
-            if self.rollout_worker is not None and checkpoint:
-                state = json.loads((Path(checkpoint) / "rollout_state.json").read_text())
-                self.rollout_worker.pending = [int(v) for v in state.get("pending", [])]
-            try:
-                return super()._inner_training_loop(*a, **kw)
-            finally:  # TRL's own `finally` has stopped the rollout child by now
-                if self.accelerator.is_main_process:
-                    accounting.finish(self.rollout_worker.samples_left_at_stop, getattr(self, "held_out", {}))
-
-        def _init_lora_sync(self, model):
-            # Merged sync only (the preflight refuses an --enable-lora vLLM): TRL's adapter-only sync registers
-            # adapters under its own names, which the capture proxy never asks for.
-            return False
-
-        def _sync_weight_merged(self, t0):
-            model = self.accelerator.unwrap_model(self.model)
-            if not is_peft_model(model):
-                return super()._sync_weight_merged(t0)
-            # PEFT's merge_adapter adds the adapter into the base weights in place and unmerge_adapter subtracts it:
-            # in bfloat16 the round trip is not exact, so the frozen base would drift by rounding steps at every
-            # push. _streaming_iter streams the same sum, rounded once, out of place instead.
-            model.merge_adapter = model.unmerge_adapter = lambda *a, **kw: None
-            try:
-                return super()._sync_weight_merged(t0)
-            finally:
-                del model.merge_adapter, model.unmerge_adapter
-
-        def _streaming_iter(self):
-            model = self.accelerator.unwrap_model(self.model)
-            if not is_peft_model(model):
-                yield from super()._streaming_iter()
-                return
-            from peft.tuners.lora import LoraLayer
-
-            layers = {id(m.get_base_layer().weight): m for m in model.modules() if isinstance(m, LoraLayer)}
-            for name, param in _iter_vllm_named_params(model):
-                tensor, layer = param.detach(), layers.get(id(param))
-                if layer is not None:
-                    with torch.no_grad():  # W + delta in float32, rounded once: PEFT's merge arithmetic
-                        for adapter in layer.active_adapters:
-                            tensor = tensor + layer.get_delta_weight(adapter)
-                    tensor = tensor.to(param.dtype)
-                yield name, tensor.to(self.accelerator.device)
-
-        def _get_output_dir(self, trial):
-            # transformers and TRL write a checkpoint file by file into <output dir>/checkpoint-N; pointing them at a
-            # staging dir while they do means a kill mid-save leaves no half-written checkpoint-N behind.
-            return self._staging_dir or super()._get_output_dir(trial)
-
-        def _save_checkpoint(self, model, trial):
-            name = f"checkpoint-{self.state.global_step}"
-            run_dir = Path(super()._get_output_dir(trial))
-            staging = run_dir / f".staging-{name}"
-            if self.accelerator.is_main_process:
-                shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
-            self.accelerator.wait_for_everyone()  # no rank writes into the staging dir before it is emptied
-            self._staging_dir = str(staging)
-            try:
-                super()._save_checkpoint(model, trial)
-            finally:
-                self._staging_dir = None
-            self.accelerator.wait_for_everyone()  # every rank's files are in before the rename
-            if not self.accelerator.is_main_process:
-                return
-            # TRL resumes at the first group no micro-batch held, which repeats trained groups after it and skips
-            # the ones accelerate collated ahead or a stop dropped; resume_position() knows which were trained.
-            state_file = staging / name / "rollout_state.json"
-            state = json.loads(state_file.read_text())
-            state["pending"], state["prompt_index"] = self.resume_position()
-            state_file.write_text(json.dumps(state))  # in the staging dir: published whole by the rename below
-            # One rename puts the whole checkpoint in place. transformers rotated checkpoints in the dir it saved into,
-            # the staging dir, which holds only this one: the rotation runs here, after the rename, over the run dir.
-            final, replaced = run_dir / name, run_dir / f".replaced-{name}"
-            if final.exists():  # an unusable checkpoint of this step, from before a fallback to an older one
-                shutil.rmtree(replaced, ignore_errors=True)
-                final.rename(replaced)
-            (staging / name).rename(final)
-            shutil.rmtree(replaced, ignore_errors=True)
-            rotate_checkpoints(str(run_dir), save_total_limit=self.args.save_total_limit, use_mtime=True)
-            staging.rmdir()
-
     config = args.config
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=config.trust_remote_code)
     dataset = Dataset.from_list(task_rows(tasks, split, args.harnesses))
@@ -3434,13 +3474,14 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
     transfer = (CudaIpcWeightTransfer(args.vllm_url, config.weight_sync_timeout)
                 if (plan or {}).get("weight_transfer") == "ipc" else None)
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                                rollout_worker=worker, peft_config=peft_config(args), weight_transfer=transfer)
+                                rollout_worker=worker, peft_config=peft_config(args), weight_transfer=transfer,
+                                accounting=accounting)
     if plan and plan.get("eval_tasks"):
         group = None
         if dist.is_initialized() and dist.get_world_size() > 1:  # every rank builds its trainer: all create it
             budget = eval_budget_s(args, len(plan["eval_tasks"]))
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=budget))
-        held_out = HeldOutEval(trainer, group)
+        held_out = HeldOutEval(trainer, args, plan, group)
         trainer.held_out = held_out.done
         trainer.add_callback(held_out)
     trainer.add_callback(StopAtStepEnd(trainer))  # after the eval: a stop that cut it short stops this step
@@ -3568,15 +3609,11 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
     except WeightTransferRefused as exc:  # fixed where vLLM runs (mostly at the first push, before any rollout)
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:
-        cause = str(exc.__cause__ or exc)
+    except TrainingStopped as exc:
         # The step's progress bar (stderr, no newline while it runs) still holds the line the error would join.
         print(file=sys.stderr)
-        marker = next((m for m in (ROLLOUTS_FAILING, NO_SIGNAL) if m in cause), None)
-        if marker is None:
-            raise
-        reason = cause.split(marker, 1)[1].splitlines()[0].strip()
-        if marker == ROLLOUTS_FAILING:
+        reason = str(exc)
+        if isinstance(exc, RolloutsFailing):
             if server is not None and server.proc is not None and server.proc.poll() is not None:
                 reason += (f" (the Harbor server this script started exited with code {server.proc.returncode}; "
                            f"its log: {server.log_path})")

@@ -110,8 +110,8 @@ def test_a_long_run_of_zero_variance_groups_stops_the_worker_with_the_reason():
     assert advantages([rollout(1.0), rollout(0.0)], loop) is not None  # variance: the count starts over
     assert advantages([rollout(None), rollout(None)], loop) is None  # unscorable: the failure counter's business
     assert advantages(solved, loop) is None and advantages(failed, loop) is None
-    with pytest.raises(ValueError, match=rf"^{agh.NO_SIGNAL} the last 3 groups .*\(1 solved by every rollout, 2 by "
-                                         r"none\).*--eval-only --curate"):
+    with pytest.raises(agh.NoSignal, match=r"^the last 3 groups .*\(1 solved by every rollout, 2 by "
+                                           r"none\).*--eval-only --curate"):
         advantages(failed, loop)
 
 
