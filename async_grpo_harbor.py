@@ -515,7 +515,7 @@ def peft_config(args: argparse.Namespace):
 
 def say(line: str) -> None:
     """One line to stdout in one write: print() writes the text and its newline apart, so lines of writers sharing
-    the output (the rollout child's threads, the ranks of a launch) ran into each other (seen in test runs)."""
+    the output (the rollout child's threads, the ranks of a launch) run into each other."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
@@ -991,8 +991,8 @@ class HarborSessionFactory(ResourceSessionFactory):
         sessions = list(self.live_sessions)
         for session in sessions:
             session.close()
-        # A create still in flight releases its slot when it returns (open()); os._exit would end it first. Seen:
-        # a trainer SIGKILLed as the next group started left two of the server's slots taken.
+        # A create still in flight releases its slot when it returns (open()); os._exit would end it first, and
+        # a trainer SIGKILLed as the next group starts would leave the server's slots taken.
         deadline = time.monotonic() + 10.0
         for session in sessions:
             session._client.settled.wait(max(0.0, deadline - time.monotonic()))
@@ -2768,8 +2768,8 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
             # without the three tracebacks TRL's child prints for a crash.
             self._exception_info_queue.put_nowait((type(stop).__name__, str(stop), ""))
             self._failed_event.set()
-            # TRL's gather left the generate loop running; closing the event loop under it printed "Task was
-            # destroyed but it is pending" and a traceback at the child's exit (seen in CI).
+            # TRL's gather leaves the generate loop running; closing the event loop under it prints "Task was
+            # destroyed but it is pending" and a traceback at the child's exit.
             stop_event.set()
             others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
             for task in others:
@@ -2933,8 +2933,8 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     exit while items it put on `rollout_buffer` / `metrics_queue` are unread (mp.Queue flushes its pipe at exit), and
     at a preemption those seconds come out of the grace period before the checkpoint save. The Event is set from a
     thread, never here: `set()` waits for every process that ever waited on it to wake, and the child's stop watcher
-    dies unwoken when the child ends on its own, so a `set()` during or after that waits forever (seen: a run whose
-    rollouts all failed hung at its stop under load). The samples it drains count in the run's totals as produced but
+    dies unwoken when the child ends on its own, so a `set()` during or after that waits forever (a run whose
+    rollouts all fail, stopping under load). The samples it drains count in the run's totals as produced but
     never trained; the run's files hold the rest. The metrics it drains stay for the trainer's next log (TRL's reads
     `metrics_queue`): a stop before the last step's log (the final held-out eval) loses none of that step's. Called
     again once stopped, it does nothing."""
@@ -3533,7 +3533,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
     if group is not None:
-        # A group left to the interpreter's exit can abort a rank that ends here (seen after --check: SIGABRT,
+        # A group left to the interpreter's exit can abort a rank that ends here (after --check: SIGABRT,
         # "terminate called without an active exception").
         dist.destroy_process_group()
     return code
