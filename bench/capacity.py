@@ -2,7 +2,7 @@
 
     python bench/capacity.py [--tokens-per-turn 1000] [--trainer-tok-s-4b ...]
 
-Prints the README's "Capacity (estimates)" tables. Nothing here is measured except what the flags say was measured
+Prints the estimates of docs/capacity.md. Nothing here is measured except what the flags say was measured
 on the CPU rig (bench/perf.py); change an input and every row follows.
 """
 
@@ -48,7 +48,7 @@ def main() -> None:
     p.add_argument("--tokens-per-turn", type=int, nargs="+", default=[500, 1000, 2000],
                    help="assistant reply + tool observation appended per turn (estimates)")
     p.add_argument("--steps", type=int, nargs="+", default=[10, 20, 30, 40, 58])
-    p.add_argument("--max-model-len", type=int, default=32768, help="vLLM context = TRL token budget (README)")
+    p.add_argument("--max-model-len", type=int, default=32768, help="vLLM context = TRL token budget (docs/capacity.md)")
     p.add_argument("--card-gib", type=float, default=80.0)
     p.add_argument("--overhead-gib", type=float, default=3.0, help="CUDA context, allocator slack, NCCL (estimate)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="H100 SXM dense bf16")

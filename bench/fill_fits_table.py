@@ -1,6 +1,6 @@
-"""Fill the tokens/s and steps/h cells of README's "What fits on one card" table from a bench/gpu_shared.py JSON.
+"""Fill the tokens/s and steps/h cells of docs/capacity.md's "What fits on one card" table from gpu_shared.py's JSON.
 
-    python bench/fill_fits_table.py bench/results/<date>-h200-shared.json [--readme README.md] [--check]
+    python bench/fill_fits_table.py bench/results/<date>-h200-shared.json [--doc docs/capacity.md] [--check]
 
 Only the rows the run measured change: Qwen3-4B, full fine-tune in the run's --dtype, on an H200, at a row length the
 run trained. A row whose vLLM utilisation differs from the run's says at which one it was measured (vLLM's share
@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_YET = "Tokens/s and\nsteps/h of a shared card: not measured yet."
+# Found wherever the paragraph wraps it.
+NOT_YET = re.compile(r"Tokens/s\s+and\s+steps/h\s+of\s+a\s+shared\s+card:\s+not\s+measured\s+yet\.")
 
 
 def cells(summary: dict, length: int) -> tuple[str, str] | None:
@@ -31,9 +34,9 @@ def cells(summary: dict, length: int) -> tuple[str, str] | None:
     return tok, steps
 
 
-def fill(readme: str, result: dict, raw: str) -> tuple[str, int]:
+def fill(doc: str, result: dict, raw: str) -> tuple[str, int]:
     summary, args = result["summary"], result["args"]
-    head, rest = readme.split("### What fits on one card", 1)
+    head, rest = doc.split("### What fits on one card", 1)
     start = rest.index("\n| model |")
     grid, tail = rest[start:].split("\n\n", 1) if "\n\n" in rest[start:] else (rest[start:], "")
     lines, changed = grid.split("\n"), 0
@@ -64,12 +67,13 @@ def fill(readme: str, result: dict, raw: str) -> tuple[str, int]:
             f"steps/h (3600 x steps/s, {m} packed row{'s' if m > 1 else ''} of that length per step, "
             f"`--micro-batches-per-step {m}`) while vLLM generates; each with its rate alone on the card beside it.")
     before = head + "### What fits on one card" + rest[:start]
-    if NOT_YET not in before:
-        raise SystemExit("README's sentence about the unmeasured columns is not where it was: edit it by hand")
-    # The paragraph keeps the README's 120-column wrap.
-    end = before.index(NOT_YET) + len(NOT_YET)
+    found = NOT_YET.search(before)
+    if found is None:
+        raise SystemExit("the sentence about the unmeasured columns is not above the table: edit it by hand")
+    # The paragraph keeps the docs' 120-column wrap.
+    end = found.end()
     start_par = before.rindex("\n\n", 0, end) + 2
-    paragraph = before[start_par:end].replace(NOT_YET, said).replace("\n", " ")
+    paragraph = (before[start_par:found.start()] + said).replace("\n", " ")
     wrapped = textwrap.fill(paragraph, 120, break_long_words=False, break_on_hyphens=False)
     before = before[:start_par] + wrapped + before[end:]
     return before + "\n".join(lines) + ("\n\n" + tail if tail else ""), changed
@@ -78,14 +82,14 @@ def fill(readme: str, result: dict, raw: str) -> tuple[str, int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json")
-    p.add_argument("--readme", default=str(ROOT / "README.md"))
+    p.add_argument("--doc", default=str(ROOT / "docs" / "capacity.md"))
     p.add_argument("--check", action="store_true")
     args = p.parse_args()
     result = json.loads(Path(args.json).read_text())
-    readme = Path(args.readme)
-    raw = Path(args.json).resolve()
-    raw = raw.relative_to(ROOT) if raw.is_relative_to(ROOT) else Path(args.json)
-    text, changed = fill(readme.read_text(), result, str(raw))
+    doc = Path(args.doc)
+    # The link is read from the doc's own folder.
+    raw = os.path.relpath(Path(args.json).resolve(), doc.resolve().parent)
+    text, changed = fill(doc.read_text(), result, raw)
     if not changed:
         print("no row of the table was measured by this run: nothing filled", file=sys.stderr)
         return 1
@@ -93,7 +97,7 @@ def main() -> int:
         section = text.split("### What fits on one card", 1)[1]
         print(section[:section.index("\nH200: ")])
     else:
-        readme.write_text(text)
+        doc.write_text(text)
     print(f"filled {changed} row(s)", file=sys.stderr)
     return 0
 

@@ -1,4 +1,5 @@
-"""One GPU shared by vLLM and the trainer, measured side by side: what README's "What fits on one card" table needs.
+"""One GPU shared by vLLM and the trainer, measured side by side: what docs/capacity.md's "What fits on one card"
+table needs.
 
     PYTHONPATH=/tmp/site python3 bench/gpu_shared.py --json $OUT/gpu_shared.json     # one H200 (the GPU kit's vLLM)
     python bench/gpu_shared.py --dry-run                  # no GPU: arguments, model config, the report on fake numbers
@@ -21,7 +22,7 @@ On one card, in this order (vLLM first: it sizes its KV cache from utilisation x
 
 Ratios are measured side by side in one run (together / alone); steps/h = 3600 x steps/s for a step of
 `--micro-batches-per-step` rows. A phase that would overrun `--budget-s` is skipped and says so in the JSON, which is
-rewritten after every phase. `python bench/fill_fits_table.py <that JSON>` then fills README's table from it.
+rewritten after every phase. `python bench/fill_fits_table.py <that JSON>` then fills docs/capacity.md's table from it.
 """
 
 from __future__ import annotations

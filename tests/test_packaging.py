@@ -15,7 +15,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from conftest import SCRIPT
+from conftest import ROOT, SCRIPT
 
 # Imported on the GPU path by what the script runs, but not by this script's configuration (none since --use-peft).
 NOT_ON_OUR_PATH: set[str] = set()
@@ -131,9 +131,20 @@ def shell_commands(text: str) -> list[str]:
     return [" ".join(line.split()) for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
+# The README is the quick start; what it links to carries the rest, commands included.
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "slurm" / "README.md",
+        ROOT / "tests" / "README.md"]
+
+
+def doc_commands(paths: list[Path] = DOCS) -> list[str]:
+    """Every command line of the ```bash blocks of `paths`."""
+    return [c for path in paths for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S)
+            for c in shell_commands(block)]
+
+
 def readme_commands() -> list[str]:
-    readme = (SCRIPT.parent / "README.md").read_text()
-    return [c for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for c in shell_commands(block)]
+    """The README's own commands: the quick starts a newcomer copies."""
+    return doc_commands([ROOT / "README.md"])
 
 
 def vllm_serve(command: str) -> tuple[set[str], list[str]]:
@@ -204,10 +215,53 @@ def test_readme_harbor_server_gets_the_settings_the_script_gives_its_own():
     """A server the user runs must cap each agent turn at --max-completion-length (openenv's default is 8,192, which
     the trainer's memory plan does not expect and the server cannot report) and hold twice --max-inflight
     sessions, as EmbeddedHarborServer starts it."""
-    serve = [c for c in readme_commands() if "openenv harbor serve" in c]
+    serve = [c for c in doc_commands() if "openenv harbor serve" in c]
     assert serve
     for command in serve:
         words = shlex.split(command)
         assert words[words.index("--max-output-tokens") + 1] == help_default("--max-completion-length")
         envs = dict(w.split("=", 1) for w in words[:words.index("openenv")] if "=" in w)
         assert int(envs["MAX_CONCURRENT_ENVS"]) >= 2 * int(help_default("--max-inflight"))
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    """A newcomer runs the README's test command; CI runs that command and nothing else, so the two cannot drift."""
+    assert "bash tests/run.sh" in readme_commands()
+    ci = [c for c in shell_commands((ROOT / ".ci" / "run").read_text()) if c.startswith("exec ")]
+    assert ci == ["exec bash tests/run.sh"], ci
+
+
+def anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation but `-` and `_` dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    """A link moved with its section would otherwise point at a file or heading that is no longer there."""
+    broken = []
+    for path in [*DOCS, ROOT / "bench" / "results" / "README.md"]:
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # a link inside a code block is not one
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, fragment = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+            elif fragment and linked.suffix == ".md" and fragment not in {
+                    anchor(h) for h in re.findall(r"(?m)^#+ (.*)$", re.sub(r"```.*?```", "", linked.read_text(),
+                                                                            flags=re.S))}:
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_every_test_a_doc_names_exists():
+    """Each promise names its test: a renamed or deleted test must not leave a promise pointing at nothing."""
+    defined = {f"{path.name}::{node.name}" for path in [*ROOT.glob("tests/test_*.py"), *ROOT.glob("tests/gpu/test_*.py")]
+               for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+    named = {(path.relative_to(ROOT), name) for path in DOCS
+             for name in re.findall(r"(test_\w+\.py::test_\w+)", path.read_text())}
+    assert named, "the docs name their tests"
+    missing = sorted(f"{path}: {name}" for path, name in named if name.removeprefix("tests/") not in defined)
+    assert not missing, missing
+

@@ -236,7 +236,7 @@ def test_a_push_on_a_shared_card_counts_vllms_copies_and_every_merged_weight(scr
     assert script.trainer_peak(lora, 8192, backend="nccl")["push staging"] == GIB
 
 
-# The README's table, cell by cell: what the row says for those flags on that card beside vLLM.
+# docs/capacity.md's table, cell by cell: what the row says for those flags on that card beside vLLM.
 TRAINING = {"full, float32": ([], "float32"), "LoRA r16, PEFT's default modules (q_proj v_proj)": (["--use-peft"],
             "r16-default"), "LoRA r16, all-linear": (["--use-peft", "--lora-target-modules", "all-linear"],
                                                      "r16-all-linear")}
@@ -247,9 +247,9 @@ CUDA_CONTEXT_GIB = 0.5  # the trainer's own, taken before the row reads free mem
 QWEN3_4B_VLLM_COPIES_GIB = 2 * 151936 * 2560 * 2 / GIB
 
 
-def test_the_readme_table_of_what_fits_one_card_is_what_the_row_says(script, qwen3, monkeypatch):
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### What fits on one card", 1)[1]
+def test_the_capacity_table_of_what_fits_one_card_is_what_the_row_says(script, qwen3, monkeypatch):
+    doc = (ROOT / "docs" / "capacity.md").read_text()
+    section = doc.split("### What fits on one card", 1)[1]
     grid = section[section.index("\n| model |"):].split("\n\n", 1)[0]
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in grid.splitlines()
             if line.startswith("| Qwen3-")]
