@@ -183,12 +183,12 @@ def test_help_groups_related_flags_and_points_to_the_details():
                                    "--dataset", "--split")}) == 1, sections
     assert len({where[f] for f in ("--use-peft", "--lora-r", "--lora-alpha", "--lora-dropout",
                                    "--lora-target-modules", "--use-rslora")}) == 1, sections
-    # Every flag whose help sends the reader to docs/flag-details.md finds its heading there; a help is a sentence or
+    # Every flag whose help sends the reader to docs/flags.md finds its heading there; a help is a sentence or
     # two, the figures live in the file.
     details = (SCRIPT.parent / "docs" / "flag-details.md").read_text()
     headings = set(re.findall(r"^#+ `(--[\w-]+)", details, re.M))
     entries = help_entries()
-    pointing = {flag for flag, entry in entries.items() if "(docs/flag-details.md)" in entry}
+    pointing = {flag for flag, entry in entries.items() if "(docs/flags.md)" in entry}
     assert {"--dtype", "--harbor-expose", "--agent-step-limit"} <= pointing
     assert pointing - headings == set()
     assert headings - set(entries) == set(), "a heading for no flag"
