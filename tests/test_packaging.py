@@ -177,6 +177,8 @@ def test_help_lists_each_flag_once_by_its_dashed_name():
 def test_help_groups_related_flags_and_points_to_the_details():
     sections = help_sections()
     where = {flag: title for title, flags in sections.items() for flag in flags}
+    # Every flag of the script sits in a group of its kind; only help and the recipe stay with argparse's options.
+    assert sections["options"] == ["--help", "--help-all", "--config"], sections
     assert len({where[f] for f in ("--eval-only", "--eval-k", "--eval-tasks", "--eval-steps", "--curate",
                                    "--band", "--curated-tasks")}) == 1, sections
     assert len({where[f] for f in ("--harbor-url", "--harbor-command", "--harbor-expose", "--harbor-retry-window",
@@ -185,7 +187,7 @@ def test_help_groups_related_flags_and_points_to_the_details():
                                    "--lora-target-modules", "--use-rslora")}) == 1, sections
     # Every flag whose help sends the reader to docs/flags.md finds its heading there; a help is a sentence or
     # two, the figures live in the file.
-    details = (SCRIPT.parent / "docs" / "flag-details.md").read_text()
+    details = (SCRIPT.parent / "docs" / "flags.md").read_text()
     headings = set(re.findall(r"^#+ `(--[\w-]+)", details, re.M))
     entries = help_entries()
     pointing = {flag for flag, entry in entries.items() if "(docs/flags.md)" in entry}
