@@ -4,6 +4,7 @@ the command a user types."""
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 
@@ -180,6 +181,14 @@ def test_every_flag_parses_by_its_underscored_name_too_as_in_trl_scripts():
         assert (args.harbor_url, args.eval_k, args.check, args.max_steps, args.trl) == (
             "http://h:1", 3, False, 9, {"epsilon_high": 0.28})
     assert agh.parse_args(["--check", "--probe_rollout"]).probe_rollout is True
+
+
+def test_the_defaults_help_describes_are_this_machines():
+    """--help says "this interpreter's `-m openenv.cli harbor serve`" and "the tasks.txt beside this script"; a run
+    gets them on the machine it runs on."""
+    args = load_script().parse_args(["--run-name", "r"])
+    assert shlex.split(args.harbor_command) == [sys.executable, "-m", "openenv.cli", "harbor", "serve"]
+    assert args.tasks == f"@{SCRIPT.with_name('tasks.txt')}"
 
 
 def test_a_recipe_sets_script_flags_and_trl_fields_and_the_command_line_overrides_it(tmp_path):
