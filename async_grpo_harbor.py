@@ -140,97 +140,89 @@ REQUEUE_EXIT_CODE = 75
 
 
 # --- Arguments --------------------------------------------------------------------------------------------------------
-# One TrlParser over ScriptArguments (this script's flags) and HarborGRPOConfig (AsyncGRPOConfig with this script's
-# defaults and help): --help, --config recipes and every TRL field come from these two declarations. A new flag is one
-# field in either; another TRL dataclass joins the parser's tuple (a name two of them declare must be init=False in
-# one of them, or argparse refuses the second --name).
-def arg(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+# One TrlParser over ScriptArguments (this script's flags), HarborGRPOConfig (AsyncGRPOConfig with this script's
+# defaults and help) and LoraArguments: --help, --config recipes and every TRL field come from these declarations. A
+# new flag is one field in one of them and one name in HELP_GROUPS; another TRL dataclass joins the parser's tuple (a
+# name two of them declare must be init=False in one of them, or argparse refuses the second --name). Each help is a
+# sentence or two; figures and the longer story are in docs/flags.md, under the flag's name.
+def arg(default: Any, help: str, shown: str | None = None, **argparse_kwargs: Any) -> Any:
+    """A field as TrlParser reads it. shown: what a default that names nothing ("", None) means, for --help."""
+    if shown is not None:
+        # ArgumentDefaultsHelpFormatter appends "(default: X)" unless the help names %(default); `.0s` prints nothing.
+        help = f"{help} (default: {shown})%(default).0s"
     return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+HARBOR_SERVE = "this interpreter's `-m openenv.cli harbor serve`"  # --harbor-command's default, as --help says it
 
 
 @dataclass
 class ScriptArguments:
     model: str = arg("Qwen/Qwen3-4B-Instruct-2507",
-                     "Model to train (hub id or local dir). Must be the model vLLM serves: its weights are replaced in "
-                     "vLLM after every optimizer step.")
-    harbor_url: str = arg("", "Base URL of a running `openenv harbor serve` to use. Empty: this script starts its own "
-                              "on 127.0.0.1 for --dataset and --vllm-url, and stops it when it exits.")
+                     "Model to train (hub id or local dir): the one vLLM serves, whose weights it replaces after "
+                     "every optimizer step.")
+    harbor_url: str = arg("", "Base URL of a running `openenv harbor serve` to use (docs/flags.md).",
+                          shown="none: this script starts its own on 127.0.0.1 and stops it when it exits")
     harbor_retry_window: float = arg(
-        300.0, "Seconds the Harbor server may stay unreachable (a restart) without ending the run: rollouts it lost "
-               "start again in new sessions when it is back. Unreachable longer: the run stops (exit 1, resume from "
-               "the last checkpoint). Also how long a full server is retried.")
-    harbor_command: str = arg(f"{sys.executable} -m openenv.cli harbor serve",
-                              "Without --harbor-url: the command that runs `openenv harbor serve` (its options are "
-                              "appended), e.g. `uvx --python 3.12 --from openenv[harbor]==0.10.0 openenv harbor serve`.")
+        300.0, "Seconds the Harbor server may stay unreachable (a restart) before the run stops; rollouts it lost "
+               "start again (docs/flags.md).")
+    harbor_command: str = arg("", "Without --harbor-url: the command that runs `openenv harbor serve`, its options "
+                                  "appended (docs/flags.md).", shown=HARBOR_SERVE)
     harbor_expose: str = arg(
-        "auto", "Without --harbor-url: how the harness reaches the capture proxy. direct advertises 127.0.0.1: right "
-                "for harnesses that run host-side (openenv's HOST_SIDE_AGENTS) and sandboxes that share this host's "
-                "network; wrong for cloud sandboxes (e2b) and docker's bridge network, which need a tunnel: "
-                "cloudflare (needs cloudflared) or gradio. Tunnels admit only per-rollout session keys. auto picks by "
-                "harness and sandbox and says why in the preflight.", choices=["auto", "direct", "cloudflare", "gradio"])
-    dataset: str = arg(DEFAULT_DATASET, "Harbor dataset spec the server serves (HF repo, dir or name@version); selects "
-                                        "the server split. Default: 2,238 verified data-analysis tasks built for RL.")
-    split: str = arg("", "Server split name, when it differs from --dataset. Empty: the split named like --dataset "
-                         "(or, for the default dataset, the server's only split).")
-    tasks: str = arg(DEFAULT_TASKS,
-                     "Tasks to train on, in this order: indices, ranges and task names (`0-49,57,hello-world`), or "
-                     "`@file` with one entry per line (`#` comments). Every entry must exist on the server. Default: "
-                     "the tasks.txt shipped beside this script, for the default dataset.")
+        "auto", "Without --harbor-url: how the harness reaches the capture proxy; auto picks by harness and sandbox "
+                "and the preflight says why (docs/flags.md).", choices=["auto", "direct", "cloudflare", "gradio"])
+    dataset: str = arg(DEFAULT_DATASET, "Harbor dataset spec the server serves (HF repo, dir or name@version); it "
+                                        "selects the server split (docs/flags.md).")
+    split: str = arg("", "Server split name, when it differs from --dataset.",
+                     shown="the split named like --dataset; for the default dataset, the server's only split")
+    tasks: str = arg("", "Tasks to train on, in this order: indices, ranges and task names (`0-49,57,hello-world`), "
+                         "or `@file`, one per line (docs/flags.md).",
+                     shown="the tasks.txt beside this script, for the default dataset")
     harness: str = arg("mini-swe-agent", "Agent harness the server runs in the sandbox; it owns its own loop.")
-    sandbox: str = arg("e2b", "Harbor environment type the server starts per rollout (its credentials must be set on "
-                              "the server, e.g. E2B_API_KEY for e2b).")
+    sandbox: str = arg("e2b", "Harbor environment type the server starts per rollout; its credentials must be set on "
+                              "the server (E2B_API_KEY for e2b).")
     reward_key: str = arg("", "For tasks that emit several rewards: the key to train on, or a comma-separated "
-                              "preference list. Empty: the task's `reward`.")
+                              "preference list.", shown="the task's `reward`")
     agent_step_limit: int = arg(
-        30, "Model calls per rollout (a count, capped at the proxy). A memory guard: a rollout's packed row grows by "
-            "every turn (~1k tokens), and the tokens forwarded to vLLM with its square (each turn re-sends the "
-            "conversation). 30 is the longest whose row fits a 32k context at ~1k tokens per turn (README: Capacity).")
+        30, "Model calls per rollout (capped at the proxy): a memory guard, as a rollout's row grows by every turn "
+            "(docs/flags.md).")
     efficiency_weight: float = arg(
-        0.1, "Bonus for solving with fewer agent turns, in [0, 1): it only orders solved rollouts of equal "
-             "correctness, in groups that mix correctness levels, and moves an advantage by at most this fraction of "
-             "one correctness step (README: Reward). 0 disables it.")
+        0.1, "Bonus in [0, 1) for solving with fewer agent turns, never above one correctness step; 0 disables it "
+             "(docs/flags.md).")
     max_zero_variance_groups: int = arg(
-        100, "Groups whose shaped rewards are all exactly equal have every advantage 0: they are kept out of training "
-             "(and counted, harbor/zero_variance_*). After this many such groups in a row (no group with any reward "
-             "variance: tasks too hard or too easy) training stops with an error instead of waiting for samples. 0: "
-             "train on them, as TRL does, and never stop.")
+        100, "Groups in a row whose rewards are all equal (kept out of training) before training stops; 0: train on "
+             "them and never stop (docs/flags.md).")
     max_consecutive_failures: int = arg(
-        32, "Stop training after this many unscorable rollouts in a row (sandbox down, bad credentials, agent crash), "
-            "instead of waiting forever for samples.")
+        32, "Unscorable rollouts in a row (sandbox down, bad credentials, agent crash) before training stops, instead "
+            "of waiting forever for samples.")
     resume: str | None = arg(
-        None, "Resume trainer state and task position: bare `--resume` takes the latest checkpoint in the output dir; "
-              "`auto` the same if there is one, else starts fresh (one command for the first launch and every "
-              "requeue; needs --run-name, --output-dir or SLURM_JOB_ID); or give a checkpoint path. A corrupt or "
-              "partial checkpoint is skipped for the one before it.", nargs="?", const="latest")
+        None, "Resume trainer state and task position: bare, from the output dir's latest checkpoint; `auto`, that "
+              "or a fresh start; or a checkpoint path (docs/flags.md).", shown="a fresh start",
+        nargs="?", const="latest")
     check: bool = arg(False, "Run the preflight checks (vLLM, Harbor server, sandbox, tasks, run dir), print their "
-                             "table and exit: 0 when nothing FAILs. The same checks run before every training run.")
-    probe_rollout: bool = arg(False, "With the checks: run one rollout of the first task, end to end, to confirm the "
-                                     "sandbox, the harness, the capture URL and the reward key.")
+                             "table and exit, 0 when nothing FAILs; every training run runs them first.")
+    probe_rollout: bool = arg(False, "With --check: one rollout of the first task, end to end (sandbox, harness, "
+                                     "capture URL, reward key).")
     eval_only: bool = arg(
-        False, "Measure instead of training: --eval-k rollouts per task (and per harness) at --temperature, through "
-               "the same Harbor server, then write pass_rates.csv to the output dir. Needs no token ids from the "
-               "engine, so a hosted model served by the Harbor server can be measured too.")
-    eval_k: int = arg(8, "Rollouts per task for --eval-only and --eval-tasks. The pass rate's standard error is "
+        False, "Measure instead of training: --eval-k rollouts per task (and harness) at --temperature, written to "
+               "pass_rates.csv in the output dir (docs/flags.md).")
+    eval_k: int = arg(8, "Rollouts per task for --eval-only and --eval-tasks; the pass rate's standard error is "
                          "sqrt(p(1-p)/k).")
     eval_tasks: str = arg(
-        "", "Held-out tasks measured during training (same syntax as --tasks; empty: none): --eval-k rollouts each at "
-            "--temperature, through the same Harbor server and sandbox, before the first optimizer step, every "
-            "--eval-steps and after the last; eval.csv in the output dir and eval/* in the log. Training waits while "
-            "it runs, so no weight push lands during an eval.")
+        "", "Held-out tasks (--tasks syntax) measured before the first optimizer step, every --eval-steps and after "
+            "the last: eval.csv, eval/* (docs/flags.md).", shown="none")
     allow_engine_mismatch: bool = arg(
-        False, "Train although the Harbor server reports another engine URL than --vllm-url (the same vLLM under "
-               "another name); otherwise the preflight FAILs: weights would go to an unused vLLM.")
+        False, "Train although the Harbor server names another engine URL than --vllm-url (the same vLLM under "
+               "another name); otherwise the preflight FAILs.")
     curate: str | None = arg(
-        None, "Write a --tasks file of the learnable tasks (pass rate inside --band) from a pass_rates.csv; bare "
-              "--curate measures first (as --eval-only). Prints how many tasks fall below, inside and above the "
-              "band, and the fraction of GRPO groups expected to carry signal.",
+        None, "Write a --tasks file of the tasks whose pass rate in PASS_RATES_CSV lies inside --band; bare, measure "
+              "first as --eval-only does (docs/flags.md).", shown="off",
         nargs="?", const="", metavar="PASS_RATES_CSV")
-    band: str = arg("0.1,0.9", "LOW,HIGH: pass rates kept by --curate, inclusive. Outside it most groups of "
-                               "--num-generations rollouts score identically and teach nothing.")
-    curated_tasks: str = arg("", "Where --curate writes the task file. Empty: <output dir>/curated_tasks.txt.")
-    help_all: bool = arg(False, "--help, then every other AsyncGRPOConfig field (TRL's and transformers' "
-                                "TrainingArguments), each accepted as --name-with-dashes, --name_with_underscores "
-                                "and a recipe key.")
+    band: str = arg("0.1,0.9", "LOW,HIGH: the pass rates --curate keeps, inclusive; outside them groups score alike "
+                               "and teach nothing.")
+    curated_tasks: str = arg("", "Where --curate writes the task file.", shown="<output dir>/curated_tasks.txt")
+    help_all: bool = arg(False, "Print this help and every other AsyncGRPOConfig field (TRL's and transformers' "
+                                "TrainingArguments), each a flag and a recipe key too.")
 
 
 @dataclass
@@ -238,54 +230,45 @@ class HarborGRPOConfig(AsyncGRPOConfig):
     """AsyncGRPOConfig with this script's defaults and help, the flags its own fields derive from, and those fields
     (init=False: not flags; `--name` names where they come from)."""
 
-    _argument_group_name = "training (AsyncGRPOConfig, this script's defaults; --help-all: every field)"
+    # The title of the other AsyncGRPOConfig fields under --help-all; this class's own flags go to HELP_GROUPS'.
+    _argument_group_name = "every other AsyncGRPOConfig field (TRL's, and transformers' TrainingArguments)"
     vllm_url: str = arg("http://localhost:8000",
-                        "Base URL of `vllm serve` (no /v1). The trainer pushes weights there, over the backend of "
-                        "vLLM's --weight-transfer-config: nccl (vLLM on its own GPU) or ipc (vLLM on the trainer's "
-                        "GPU, served on 127.0.0.1 only).")
+                        "Base URL of `vllm serve` (no /v1), where the trainer pushes weights over the backend of "
+                        "vLLM's --weight-transfer-config, nccl or ipc (docs/flags.md).")
     dtype: str = arg(
-        "float32", "The trainer's weights and AdamW state (TRL's AsyncGRPOConfig.dtype; GPUs compute under bf16 "
-                   "autocast either way). float32: every update lands, at 16 B/param (weights, gradients, two "
-                   "moments), 12 B/param per checkpoint and 4 B/param per weight push; Qwen3-4B peaked at 75.1 GiB "
-                   "with 16k-token rows and 90.4 GiB with 32k (one H200). bfloat16: 54.4 GiB at 32k, half the push, "
-                   "vLLM's own precision, but a weight of 0.02 moves only in steps of 1.2e-4, so an AdamW step of "
-                   "~--learning-rate below half that (1e-6 is) rounds to no change: training silently stops. "
-                   "float16: the same risk. auto: the checkpoint's dtype (bfloat16 for Qwen3).",
+        "float32", "The trainer's weights and AdamW state: float32 lets every update land; bfloat16 and float16 save "
+                   "memory but round an update of the default learning rate to nothing (docs/flags.md).",
         choices=["float32", "bfloat16", "float16", "auto"])
     agent_timeout: float = arg(600.0, "Seconds the agent may run per rollout; 0 uses the task's own timeout.")
     num_generations: int = arg(
-        8, "Rollouts per task per group; advantages compare rollouts of the same task (>= 2).")
+        8, "Rollouts per task per group (>= 2); advantages compare rollouts of the same task.")
     micro_batches_per_step: int = arg(
-        4, "Micro-batches per optimizer step. TRL packs each micro-batch with rollouts up to vLLM's max_model_len "
-           "tokens (its token budget: no rollout can be longer, so none is dropped), so rollouts per step = this x "
-           "how many fit in that budget.")
-    max_inflight: int = arg(16, "Rollouts running at once (= sandboxes alive at once). Size the Harbor server's "
+        4, "Micro-batches per optimizer step, each packed with rollouts up to vLLM's max_model_len tokens "
+           "(docs/flags.md).")
+    max_inflight: int = arg(16, "Rollouts (and sandboxes) running at once; size the Harbor server's "
                                 "MAX_CONCURRENT_ENVS to at least twice this.")
-    max_staleness: int = arg(4, "Optimizer steps a rollout may lag the current policy before it is dropped. Never "
-                                "below 1 in practice: accelerate prefetches one batch.")
+    max_staleness: int = arg(4, "Optimizer steps a rollout may lag the current policy before it is dropped; never "
+                                "below 1 in practice, as accelerate prefetches one batch.")
     temperature: float = arg(
         1.0, "Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
     max_completion_length: int = arg(
-        1024, "Tokens per model call (an agent turn). The Harbor server this script starts caps every turn there "
-              "(its --max-output-tokens); a server of yours needs that flag set to match. An agent turn is a thought "
-              "and one command: 30 turns x 1024 fit a 32k context.")
-    learning_rate: float = arg(1e-6, "AdamW learning rate, constant: the number of rollouts per step varies with "
-                                     "their length, so a decay horizon in steps means little.")
+        1024, "Tokens per model call (an agent turn); the Harbor server this script starts caps every turn there "
+              "(docs/flags.md).")
+    learning_rate: float = arg(1e-6, "AdamW learning rate, constant: rollouts per step vary with their length, so a "
+                                     "decay horizon in steps means little.")
     max_steps: int = arg(500, "Optimizer steps to train; the run's only stop condition (tasks are cycled).")
-    eval_steps: float | None = arg(50, "Optimizer steps between held-out evals (--eval-tasks); below 1: that "
-                                       "fraction of --max-steps, as transformers reads it; 0: only before training "
-                                       "and after the last step.")
-    output_dir: str = arg("", "Checkpoints and logs. Empty: runs/<run name>.")
-    run_name: str = arg(
-        "", "Empty: the --output-dir's name if given, else <model>-<harness>-<sandbox>-<SLURM_JOB_ID, else UTC time + "
-            "random suffix>, so relaunches never write over each other while a requeued SLURM job keeps its name.")
+    eval_steps: float | None = arg(50, "Optimizer steps between held-out evals (--eval-tasks); below 1: that fraction "
+                                       "of --max-steps; 0: only before training and after the last step.")
+    output_dir: str = arg("", "Checkpoints and logs.", shown="runs/<run name>")
+    run_name: str = arg("", "The run's name in the tracker and its output dir's; relaunches never write over each "
+                            "other (docs/flags.md).",
+                        shown="the --output-dir's name, else <model>-<harness>-<sandbox>-<SLURM job id or UTC time>")
     project: str = arg("async-grpo-harbor", "trackio project, so runs on one suite compare side by side.")
     report_to: str = arg("trackio", "Where metrics go: trackio (local, no account needed), none, or any HF integration.")
     save_steps: int = arg(50, "Optimizer steps between checkpoints: what a crash or preemption can lose.")
     save_total_limit: int | None = arg(
-        2, "Checkpoints kept in the output dir: the oldest is deleted once a newer one is complete (0 keeps all). "
-           "Each holds weights and AdamW moments, ~48 GB for Qwen3-4B in float32; the preflight prints the size and "
-           "the free disk.")
+        2, "Checkpoints kept in the output dir, the oldest deleted once a newer one is complete; 0 keeps all "
+           "(docs/flags.md).")
     # Set in __post_init__, from what the help says.
     gradient_accumulation_steps: int = field(default=1, init=False, metadata={"help": "from --micro-batches-per-step"})
     max_inflight_tasks: int = field(default=1, init=False, metadata={"help": "from --max-inflight"})
@@ -327,21 +310,17 @@ class LoraArguments:
     ModelConfig itself: it also declares --dtype (the config's) and quantisation and DoRA, which this script does
     not train."""
 
-    _argument_group_name = "LoRA"
     use_peft: bool = arg(
-        False, "Whether to use PEFT for training. Here: LoRA adapters and their AdamW state in float32 on base weights "
-               "frozen in the serving dtype (--dtype defaults to bfloat16 then); every push sends the base weights "
-               "with the adapter folded in (merged sync: vLLM must run WITHOUT --enable-lora); checkpoints hold the "
-               "adapter and its AdamW state; the run ends by writing the merged model to <output dir>/merged, which "
-               "`vllm serve` loads.")
+        False, "Whether to use PEFT for training: LoRA adapters on a frozen base, pushed merged, so serve vLLM "
+               "without --enable-lora (docs/flags.md).")
     lora_r: int = arg(16, "LoRA R value.")
     lora_alpha: int = arg(32, "LoRA alpha.")
     lora_dropout: float = arg(0.05, "LoRA dropout.")
     lora_target_modules: list[str] | None = arg(
-        None, "LoRA target modules. Default: PEFT's for the architecture (q_proj v_proj for Qwen3); all-linear: every "
-              "linear layer but the head.", nargs="+")
-    use_rslora: bool = arg(False, "Whether to use Rank-Stabilized LoRA, which sets the adapter scaling factor to "
-                                  "`lora_alpha/√r`, instead of the original default value of `lora_alpha/r`.")
+        None, "LoRA target modules; all-linear: every linear layer but the head.",
+        shown="PEFT's for the architecture (q_proj v_proj for Qwen3)", nargs="+")
+    use_rslora: bool = arg(False, "Whether to use Rank-Stabilized LoRA, which scales the adapter by "
+                                  "`lora_alpha/√r` instead of `lora_alpha/r`.")
 
 
 class UsageError(Exception):
@@ -374,6 +353,24 @@ def stop_from_child(exc: RuntimeError) -> TrainingStopped | None:
 # The fields declared here, listed by --help; the other AsyncGRPOConfig fields appear under --help-all.
 OWN_FLAGS = ({f.name for f in dataclasses.fields(ScriptArguments) + dataclasses.fields(LoraArguments)}
              | set(HarborGRPOConfig.__annotations__))
+# --help's sections, in the order a run uses them: every flag of OWN_FLAGS but --help-all, which stays with --help.
+HELP_GROUPS = {
+    "model and vLLM": ["model", "vllm_url", "dtype"],
+    "Harbor server": ["harbor_url", "harbor_command", "harbor_expose", "harbor_retry_window", "dataset", "split",
+                      "allow_engine_mismatch"],
+    "tasks and rollouts": ["tasks", "harness", "sandbox", "agent_step_limit", "agent_timeout", "max_completion_length",
+                           "temperature", "max_inflight"],
+    "reward": ["reward_key", "efficiency_weight"],
+    "training": ["num_generations", "micro_batches_per_step", "learning_rate", "max_steps", "max_staleness",
+                 "max_zero_variance_groups", "max_consecutive_failures"],
+    "run dir, checkpoints and logging": ["output_dir", "run_name", "resume", "save_steps", "save_total_limit",
+                                         "report_to", "project"],
+    "preflight": ["check", "probe_rollout"],
+    "measure, held-out eval and curate": ["eval_only", "eval_k", "eval_tasks", "eval_steps", "curate", "band",
+                                          "curated_tasks"],
+    "LoRA (TRL's ModelConfig fields)": ["use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                                        "use_rslora"],
+}
 
 
 class Parser(TrlParser):
@@ -384,16 +381,31 @@ class Parser(TrlParser):
 def build_parser(help_all: bool = False) -> Parser:
     parser = Parser((ScriptArguments, HarborGRPOConfig, LoraArguments), allow_abbrev=False,  # `--mod X` must never mean --model
                     description="RL-train a model on a Harbor task suite through a loop-owning harness with TRL "
-                                "AsyncGRPO.",
+                                "AsyncGRPO. Each flag's details: docs/flags.md.",
                     usage="%(prog)s [--config RECIPE_YAML] [--flag VALUE ...]  (--help-all: every AsyncGRPOConfig "
                           "field too)")
     parser.add_argument("--config", metavar="RECIPE_YAML",  # TrlParser reads it before parsing; here for --help
-                        help="A recipe, as in TRL's scripts: YAML of any flag of this script or AsyncGRPOConfig field "
-                             "by its underscored name (`agent_step_limit: 20`, `epsilon_high: 0.28`), and an "
-                             "optional `env:` mapping. The command line overrides it.")
+                        help="A recipe, as in TRL's scripts: YAML of flags and AsyncGRPOConfig fields by their "
+                             "underscored names; the command line overrides it (docs/flags.md).")
+    # argparse lists its actions and groups only through these private attributes (TrlParser reads _actions too).
     for action in parser._actions:
         if not (help_all or action.dest in OWN_FLAGS | {"help", "config"}):
             action.help = argparse.SUPPRESS
+        # HfArgumentParser gives every field --name_with_underscores and --name-with-dashes. Both still parse (argparse
+        # finds an option in its own table of names); --help and argparse's errors name the dashed one.
+        action.option_strings = [name for name in action.option_strings
+                                 if "_" not in name or name.replace("_", "-") not in action.option_strings]
+    # HfArgumentParser makes a group per dataclass; argparse has no public call to move an argument to another group.
+    for title, names in HELP_GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            action = parser._option_string_actions[f"--{name.replace('_', '-')}"]
+            for container in parser._action_groups:
+                if action in container._group_actions:
+                    container._group_actions.remove(action)
+            group._group_actions.append(action)
+    # The rest of AsyncGRPOConfig (shown by --help-all) comes last.
+    parser._action_groups.sort(key=lambda group: group.title == HarborGRPOConfig._argument_group_name)
     return parser
 
 
@@ -481,6 +493,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--efficiency-weight must be in [0, 1) (got {args.efficiency_weight}): at 1 the bonus would "
                          "reach the next correctness level")
     args.harbor_url = args.harbor_url.rstrip("/")
+    # The defaults --help describes (HARBOR_SERVE, the shipped tasks.txt), resolved on this machine.
+    args.harbor_command = args.harbor_command or shlex.join([sys.executable, "-m", "openenv.cli", "harbor", "serve"])
+    args.tasks = args.tasks or DEFAULT_TASKS
     if args.probe_rollout and not args.check:
         raise UsageError("--probe-rollout is part of --check; add --check")
     if args.resume == "auto" and not (args.run_name or args.output_dir or os.environ.get("SLURM_JOB_ID")):

@@ -170,8 +170,8 @@ def test_on_a_gpu_the_served_dtype_is_judged_against_bf16_autocast_whatever_the_
 
 
 def test_the_precision_row_is_what_adamw_does():
-    # What the row (and --dtype's help) says, measured with torch's own AdamW on CPU: at the default learning rate a
-    # bfloat16 weight of Qwen3's initializer scale does not move; a float32 one does.
+    # What the row (and docs/flags.md under --dtype) says, measured with torch's own AdamW on CPU: at the default
+    # learning rate a bfloat16 weight of Qwen3's initializer scale does not move; a float32 one does.
     import torch
 
     weights = torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 0.02

@@ -154,12 +154,68 @@ def vllm_serve(command: str) -> tuple[set[str], list[str]]:
     return env, words[words.index("serve") + 1:]
 
 
-def help_default(flag: str) -> str:
+def help_entries() -> dict[str, str]:
+    """Each flag `--help` lists, by the spelling it shows, and its entry (the lines up to the next flag, joined)."""
     proc = script_help()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # TrlParser lists each flag as `--name_with_underscores X, --name-with-dashes X`
-    entry = next(e for e in re.split(r"\n(?=  -)", proc.stdout) if re.match(rf"  (\S+ \S+, )?{flag}\b", e))
-    return re.search(r"\(default: ([^)]*)\)", " ".join(entry.split()))[1]
+    return {re.match(r"  (?:-\w, )?(--[\w-]+)", entry)[1]: " ".join(entry.split())
+            for entry in re.split(r"\n(?=  -)", proc.stdout.split("\n\n", 2)[2]) if entry.startswith("  -")}
+
+
+def help_default(flag: str) -> str:
+    return re.search(r"\(default: ([^)]*)\)", help_entries()[flag])[1]
+
+
+def help_sections() -> dict[str, list[str]]:
+    """`--help`'s groups: each title and the flags listed under it, in order."""
+    sections = {}
+    for block in script_help().stdout.split("\n\n"):
+        title, _, body = block.partition("\n")
+        if title.endswith(":") and not title.startswith(" "):
+            sections[title[:-1]] = re.findall(r"^  (?:-\w, )?(--[\w-]+)", body, re.M)
+    return sections
+
+
+def test_help_lists_each_flag_once_by_its_dashed_name():
+    """TrlParser accepts --name_with_underscores and --name-with-dashes; --help shows one, the dashed one."""
+    proc = script_help()
+    invocations = re.findall(r"^  (-\S.*?)(?:  |$)", proc.stdout, re.M)
+    names = [name for invocation in invocations for name in re.findall(r"--[\w-]+", invocation)]
+    assert names and len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    assert [name for name in names if "_" in name] == [], invocations
+
+
+def test_help_groups_related_flags_and_points_to_the_details():
+    sections = help_sections()
+    where = {flag: title for title, flags in sections.items() for flag in flags}
+    # Every flag of the script sits in a group of its kind; only help and the recipe stay with argparse's options.
+    assert sections["options"] == ["--help", "--help-all", "--config"], sections
+    assert len({where[f] for f in ("--eval-only", "--eval-k", "--eval-tasks", "--eval-steps", "--curate",
+                                   "--band", "--curated-tasks")}) == 1, sections
+    assert len({where[f] for f in ("--harbor-url", "--harbor-command", "--harbor-expose", "--harbor-retry-window",
+                                   "--dataset", "--split")}) == 1, sections
+    assert len({where[f] for f in ("--use-peft", "--lora-r", "--lora-alpha", "--lora-dropout",
+                                   "--lora-target-modules", "--use-rslora")}) == 1, sections
+    # Every flag whose help sends the reader to docs/flags.md finds its heading there; a help is a sentence or
+    # two, the figures live in the file.
+    details = (SCRIPT.parent / "docs" / "flags.md").read_text()
+    headings = set(re.findall(r"^#+ `(--[\w-]+)", details, re.M))
+    entries = help_entries()
+    pointing = {flag for flag, entry in entries.items() if "(docs/flags.md)" in entry}
+    assert {"--dtype", "--harbor-expose", "--agent-step-limit"} <= pointing
+    assert pointing - headings == set()
+    assert headings - set(entries) == set(), "a heading for no flag"
+    for flag, entry in entries.items():
+        help_text = re.sub(r"^--\S+( \S+)?( \S+ \.\.\.\])? ", "", entry.split(" (default:")[0])
+        assert len(help_text) <= 240, (flag, help_text)
+
+
+def test_no_default_in_help_names_this_machine():
+    """What --help prints is the same on every machine: defaults that depend on it are described, not printed."""
+    out = script_help().stdout
+    for path in {sys.prefix, sys.executable, str(SCRIPT.parent), str(Path.home())}:
+        assert path not in out, path
+    assert help_default("--harbor-command") == "this interpreter's `-m openenv.cli harbor serve`"
 
 
 def weight_transfer_backend(flags: list[str]) -> str:

@@ -4,6 +4,7 @@ the command a user types."""
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 
@@ -166,6 +167,28 @@ def test_every_trl_field_reaches_the_trainer_config_from_the_command_line():
     # The script's defaults and what it decides stay as they were.
     assert (config.max_steps, config.gradient_accumulation_steps, config.output_dir) == (500, 4, "runs/r")
     assert (config.epsilon, config.max_completion_length) == (0.2, 1024)
+
+
+def test_every_flag_parses_by_its_underscored_name_too_as_in_trl_scripts():
+    """--help shows --name-with-dashes only; --name_with_underscores, as TrlParser accepts it, still parses, and so
+    do HF's booleans (bare, `false`)."""
+    agh = load_script()
+    dashed = agh.parse_args(["--run-name", "r", "--harbor-url", "http://h:1/", "--eval-k", "3", "--check", "false",
+                             "--max-steps", "9", "--epsilon-high", "0.28"])
+    underscored = agh.parse_args(["--run_name", "r", "--harbor_url", "http://h:1/", "--eval_k", "3", "--check",
+                                  "false", "--max_steps", "9", "--epsilon_high", "0.28"])
+    for args in (dashed, underscored):
+        assert (args.harbor_url, args.eval_k, args.check, args.max_steps, args.trl) == (
+            "http://h:1", 3, False, 9, {"epsilon_high": 0.28})
+    assert agh.parse_args(["--check", "--probe_rollout"]).probe_rollout is True
+
+
+def test_the_defaults_help_describes_are_this_machines():
+    """--help says "this interpreter's `-m openenv.cli harbor serve`" and "the tasks.txt beside this script"; a run
+    gets them on the machine it runs on."""
+    args = load_script().parse_args(["--run-name", "r"])
+    assert shlex.split(args.harbor_command) == [sys.executable, "-m", "openenv.cli", "harbor", "serve"]
+    assert args.tasks == f"@{SCRIPT.with_name('tasks.txt')}"
 
 
 def test_a_recipe_sets_script_flags_and_trl_fields_and_the_command_line_overrides_it(tmp_path):
