@@ -58,7 +58,7 @@ Run it (see README.md for the full walk-through):
     # checkpoint and exit 75
     uv run async_grpo_harbor.py ... --run-name my-run --resume auto
 
-    # LoRA (README: Capacity): float32 adapters on a bfloat16 base frozen on the trainer GPU, merged weights pushed
+    # LoRA (docs/capacity.md): float32 adapters on a bfloat16 base frozen on the trainer GPU, merged weights pushed
     # (vLLM as in 1., without --enable-lora); the merged model lands in <output dir>/merged for `vllm serve`
     uv run async_grpo_harbor.py ... --use-peft --lora-r 16 --lora-target-modules all-linear --learning-rate 1e-5
 """
@@ -1647,7 +1647,7 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool,
     elif os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and args.use_peft:
         # The merged push folds the adapter in per layer from local tensors (HarborGRPOTrainer._streaming_iter).
         pf.add("precision", FAIL, "--use-peft under FSDP: this script's merged push reads whole adapter tensors, "
-               "which FSDP shards", "train LoRA on one trainer process (README: Capacity, LoRA), or without FSDP")
+               "which FSDP shards", "train LoRA on one trainer process (docs/capacity.md, LoRA), or without FSDP")
     elif args.use_peft and dtype is not None:
         # The trained tensors are the adapters, float32 whatever --dtype (PEFT's autocast_adapter_dtype).
         half_step = 2.0 ** math.floor(math.log2(0.02)) * torch.finfo(torch.float32).eps / 2
@@ -1664,7 +1664,7 @@ def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool,
             pf.add("precision", WARN, f"{dtype} weights: an AdamW step moves a weight by ~--learning-rate "
                    f"{args.learning_rate:g}, below half the {dtype} spacing at |w| = {typical} ({half_step:.1e}): "
                    "most updates round to no change and the run silently stops learning",
-                   f"--dtype float32 (see README, Capacity), or a learning rate well above {half_step:.0e}")
+                   f"--dtype float32 (docs/capacity.md), or a learning rate well above {half_step:.0e}")
         else:
             pf.add("precision", PASS, f"{dtype} weights: AdamW steps of ~{args.learning_rate:g} exceed half the "
                    f"{dtype} spacing at |w| = {typical} ({half_step:.1e})")
@@ -1913,7 +1913,7 @@ VLLM_BUFFERS = int(1.1 * 2**30)
 # Past the measured error, so a projection this close to the limit warns instead of passing.
 MEMORY_TOLERANCE = 0.05
 # The tokens a rollout starts with (system prompt + task) when a row is planned as prompt + turns x tokens per turn
-# (README: Capacity; the rig's mini-swe-agent prompt is ~1.1k).
+# (docs/capacity.md; the rig's mini-swe-agent prompt is ~1.1k).
 PROMPT_TOKENS = 1500
 
 
@@ -2087,7 +2087,8 @@ def memory_fixes(args: argparse.Namespace, shape: TrainerShape, need: int, limit
         peak = lora and sum(trainer_peak(lora, row, ranks, fsdp, **push).values())
         if peak and peak * (1 + MEMORY_TOLERANCE) <= limit:
             fixes.append(f"--use-peft (LoRA r {args.lora_r} on a bfloat16 base: {gib(peak)} projected for this row)")
-    return "; or ".join(fixes) or "train on a GPU with more free memory, or shard the trainer with FSDP (README: SLURM)"
+    return "; or ".join(fixes) or ("train on a GPU with more free memory, or shard the trainer with FSDP "
+                                   "(slurm/README.md)")
 
 
 def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
