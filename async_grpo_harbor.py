@@ -61,6 +61,18 @@ Run it (see README.md for the full walk-through):
     # LoRA (docs/capacity.md): float32 adapters on a bfloat16 base frozen on the trainer GPU, merged weights pushed
     # (vLLM as in 1., without --enable-lora); the merged model lands in <output dir>/merged for `vllm serve`
     uv run async_grpo_harbor.py ... --use-peft --lora-r 16 --lora-target-modules all-linear --learning-rate 1e-5
+
+The sections below, in the order data flows (search for `# --- <name>`):
+
+    Arguments        ScriptArguments, HarborGRPOConfig (TRL's config, this script's defaults), parse_args
+    Tasks            the task list (--tasks) as TRL dataset rows, task_rows
+    Session factory  HarborSessionFactory: one Harbor rollout (harness + sandbox + verifier) per TRL session
+    Reward           harbor_reward (a rollout's score), shape_group_rewards (the group's, before TRL's advantages)
+    Harbor server    EmbeddedHarborServer: the `openenv harbor serve` this script starts without --harbor-url
+    Preflight        preflight(): every row `--check` prints, run before any weights load
+    Measure          run_measure (--eval-only, --curate), held_out_eval (--eval-tasks during training)
+    Trainer          HarborRolloutLoop (in TRL's rollout child), RolloutAccounting, HarborGRPOTrainer, build_trainer
+    Main             main: arguments -> preflight -> train(), whose `trainer.train(...)` is the training call
 """
 
 from __future__ import annotations
