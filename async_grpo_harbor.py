@@ -7,10 +7,9 @@
 #     "kernels>=0.17.2,<0.19",
 #     "openenv[harbor]==0.10.0",
 #     "vllm==0.29.0",
-#     # Exact: the script overrides private code of these (transformers' Trainer get_batch_samples, _get_output_dir,
-#     # _save_checkpoint and _inner_training_loop; accelerate's dataloader _get_iterator and base_dataloader; torch's
-#     # _get_default_group). vllm 0.29.0 pins this torch. tests/envs.sh installs every exact pin of this list, vllm
-#     # aside, into the test environment (tests/test_packaging.py).
+#     # Exact: the script relies on private names of these and of TRL (each has a `# private:` reason beside it;
+#     # tests/test_private_names.py checks them against these pins). vllm 0.29.0 pins this torch. tests/envs.sh
+#     # installs every exact pin of this list, vllm aside, into the test environment (tests/test_packaging.py).
 #     "transformers==5.24.0",
 #     "accelerate==1.15.0",
 #     "torch==2.13.0",
@@ -140,7 +139,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traine
 from transformers.trainer_utils import rotate_checkpoints, sort_checkpoints  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, packing  # noqa: E402
+# private: TRL's weight manifest walks _iter_vllm_named_params; the merged push must name the same tensors, in order
 from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params  # noqa: E402
+# private: TRL's loop-owning harness loop; no public class or hook scores a finished group
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop  # noqa: E402
 from trl.experimental.async_grpo.vllm_client import VLLMClient  # noqa: E402
 from trl.experimental.async_grpo.weight_transfer import WeightTransferClient  # noqa: E402
@@ -243,6 +244,7 @@ class HarborGRPOConfig(AsyncGRPOConfig):
     (init=False: not flags; `--name` names where they come from)."""
 
     # The title of the other AsyncGRPOConfig fields under --help-all; this class's own flags go to HELP_GROUPS'.
+    # private: HfArgumentParser's documented hook for a dataclass's group title
     _argument_group_name = "every other AsyncGRPOConfig field (TRL's, and transformers' TrainingArguments)"
     vllm_url: str = arg("http://localhost:8000",
                         "Base URL of `vllm serve` (no /v1), where the trainer pushes weights over the backend of "
@@ -399,7 +401,7 @@ def build_parser(help_all: bool = False) -> Parser:
     parser.add_argument("--config", metavar="RECIPE_YAML",  # TrlParser reads it before parsing; here for --help
                         help="A recipe, as in TRL's scripts: YAML of flags and AsyncGRPOConfig fields by their "
                              "underscored names; the command line overrides it (docs/flags.md).")
-    # argparse lists its actions and groups only through these private attributes (TrlParser reads _actions too).
+    # private: argparse lists its actions only as _actions and _option_string_actions (TrlParser reads them too)
     for action in parser._actions:
         if not (help_all or action.dest in OWN_FLAGS | {"help", "config"}):
             action.help = argparse.SUPPRESS
@@ -407,7 +409,8 @@ def build_parser(help_all: bool = False) -> Parser:
         # finds an option in its own table of names); --help and argparse's errors name the dashed one.
         action.option_strings = [name for name in action.option_strings
                                  if "_" not in name or name.replace("_", "-") not in action.option_strings]
-    # HfArgumentParser makes a group per dataclass; argparse has no public call to move an argument to another group.
+    # HfArgumentParser makes a group per dataclass.
+    # private: argparse has no public call to move an argument to another group (_action_groups, _group_actions)
     for title, names in HELP_GROUPS.items():
         group = parser.add_argument_group(title)
         for name in names:
@@ -1872,6 +1875,7 @@ def check_attention_kernel(pf: Preflight) -> None:
     gpu_fix = ("TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
               "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
     try:
+        # private: TRL's own kernel loader, which caches what it loads; no public call loads it
         kernel = packing._flash_attn()
     except ImportError as exc:
         pf.add("attention kernel", FAIL, f"TRL's tree attention imports `kernels`: {exc}",
@@ -2728,15 +2732,18 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         self.max_zero_variance_groups = max_zero_variance_groups
         self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
         self.passes = PassRate(groups_per_pass)
+        # private: TRL's loop holds the factory it built as _factory and the metric queue as _metrics_queue
         self._factory.metrics_queue = self._metrics_queue
 
+    # private: TRL's one step from a scored group to samples; no public hook shapes a group's rewards
     async def _score_group(self, group):
         scores = group.rollout_rewards
         group.rollout_rewards = shape_group_rewards(scores, self.efficiency_weight)
         samples = await super()._score_group(group)
-        if self._stop_event.is_set():
+        if self._stop_event.is_set():  # private: TRL's loop exposes its stop only as _stop_event
             return samples  # cut short by the stop (its unfinished rollouts are empty): no group to count or print
         rewards = [r for r in group.rollout_rewards if r is not None]
+        # private: TRL's metric accumulators (_counters, _rates), pushed with its own; no public call adds a metric
         self._counters["harbor/groups_total"] += 1
         solved, scored = self.passes.add(sum(s is not None and s.correctness > 0 for s in scores), len(rewards))
         if scored:
@@ -2785,6 +2792,7 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
             with open(self.groups_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    # private: where TRL's child runs its loops; what leaves it, TRL's run() prints with three tracebacks
     async def _run_loops(self, stop_event) -> None:
         try:
             await super()._run_loops(stop_event)
@@ -2792,7 +2800,8 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
             stop = exc if isinstance(exc, TrainingStopped) else exc.__cause__  # TRL's CaptureContractError wraps it
             if not isinstance(stop, TrainingStopped):
                 raise
-            # Sent through TRL's failure channel (the trainer raises it again from check_health, `stop_from_child`)
+            # private: TRL's failure channel, _exception_info_queue and _failed_event: the trainer raises it again
+            # from check_health (`stop_from_child`)
             # without the three tracebacks TRL's child prints for a crash.
             self._exception_info_queue.put_nowait((type(stop).__name__, str(stop), ""))
             self._failed_event.set()
@@ -2927,10 +2936,9 @@ def read_only(*queues: Any) -> None:
     waits forever on an item the child died while writing (a SIGTERM to the job's process group, the OOM killer, TRL's
     terminate): a large sample is written while it is read, and a pipe never reads as closed while one of its write
     ends is open. Without them it reads as EOFError (OSError part-way through an item), which `ChildQueue` turns into
-    an empty queue for TRL's reads.
-    `_writer`: mp.Queue has no read-only end."""
+    an empty queue for TRL's reads."""
     for q in queues:
-        q._writer.close()
+        q._writer.close()  # private: mp.Queue has no public way to close its write end
 
 
 class ChildQueue:
@@ -2966,6 +2974,7 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     never trained; the run's files hold the rest. The metrics it drains stay for the trainer's next log (TRL's reads
     `metrics_queue`): a stop before the last step's log (the final held-out eval) loses none of that step's. Called
     again once stopped, it does nothing."""
+    # private: TRL's worker holds its child only as _process, and its stop Event as _stop_event_mp
     proc, t0, kept = worker._process, time.monotonic(), queue.Queue()
 
     def drain() -> None:
@@ -2999,7 +3008,7 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
                 proc.join()
             terminated = True
     drain()  # what the child flushed as it exited
-    if proc is not None and proc._popen is not None and not terminated:  # _popen: None if it never started
+    if proc is not None and proc.pid is not None and not terminated:  # pid: None if it never started
         say(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s (exit code {proc.exitcode})")
     worker._process = None
     worker.metrics_queue = kept
@@ -3070,6 +3079,7 @@ def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
     if save:
         # A step interrupted while waiting for rollouts is dropped whole: the weights and optimizer are still those
         # of the last finished step, and its gradients are not kept.
+        # private: transformers writes a resumable checkpoint (optimizer, RNG, state) only in _save_checkpoint
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
     name = STOP.signal_name or "a stop on rank 0"
     if not trainer.accelerator.is_main_process:
@@ -3154,7 +3164,7 @@ class CudaIpcWeightTransfer:
         self.vllm.init_weight_transfer_engine({}, timeout=self.timeout)
 
     def pause(self) -> None:
-        # TRL's own bound for pause, resume and the reload set-up (a private constant of its WeightTransferClient).
+        # private: TRL's own bound for pause, resume and the reload set-up, a constant of its WeightTransferClient
         self.vllm.pause(timeout=WeightTransferClient._CONTROL_TIMEOUT)
 
     def resume(self) -> None:
@@ -3233,20 +3243,22 @@ class HarborRolloutWorker(HarnessRolloutWorker):
     """TRL's harness worker running HarborRolloutLoop in its child, visiting the dataset in resume order, and stopping
     on a signal (`check_health`) or as the script's stop_rollout_worker does."""
 
-    _loop_cls = HarborRolloutLoop
+    _loop_cls = HarborRolloutLoop  # private: TRL's worker starts the loop class named here; no argument names it
     stop = stop_rollout_worker
     samples_left_at_stop = 0
     pending: tuple[int, ...] = ()  # the untrained groups the resumed checkpoint left (_inner_training_loop sets it)
 
     def start(self) -> None:
         # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
+        # private: TRL's worker holds the child's arguments only as _loop_kwargs (and writes them there itself)
         kw = self._loop_kwargs
         self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
         kw.update(dataset=self.order, dataset_start_index=0)
         super().start()
         read_only(self.rollout_buffer, self.metrics_queue, self._exception_info_queue)
         self.metrics_queue = ChildQueue(self.metrics_queue)  # TRL's log() reads it
-        self._exception_info_queue = ChildQueue(self._exception_info_queue)  # TRL's check_health() reads it
+        # private: TRL's check_health() reads the child's failure from _exception_info_queue
+        self._exception_info_queue = ChildQueue(self._exception_info_queue)
 
     def check_health(self, stale_after_s: float) -> None:
         # TRL calls this each time the trainer has waited a queue poll for rollouts: a safe point to stop at.
@@ -3344,16 +3356,18 @@ class StepLog(Trainer):
 
 class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
     """AsyncGRPOTrainer with this script's accounting, stops, resume order, staged checkpoints and merged LoRA pushes.
-    The transformers methods it overrides are private (pinned exactly in the header); each says why beside it."""
+    The TRL and transformers methods it overrides are private (pinned exactly in the header); each says why beside
+    it (`# private:`)."""
 
     _staging_dir: str | None = None
+    collated_groups: set[int] | frozenset[int] = frozenset()  # TRL's collator's, once get_train_dataloader ran
 
     def __init__(self, *a, accounting: RolloutAccounting, **kw):
         self.accounting = accounting  # before TRL's __init__, which may log
         self.held_out: dict[int, float | None] = {}  # HeldOutEval's whole evals: step -> eval/pass_rate
         super().__init__(*a, **kw)
         if self.rollout_worker is not None:  # TRL's eos ids (tokenizer's + model's); it sets them only on its own
-            self.rollout_worker._loop_kwargs["eos_token_ids"] = self.eos_token_ids
+            self.rollout_worker._loop_kwargs["eos_token_ids"] = self.eos_token_ids  # private: see start()
             self.rollout_queue = ChildQueue(self.rollout_worker.rollout_buffer)  # TRL's dataset reads it
         self.stop_agreed = False
 
@@ -3364,7 +3378,9 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
             # ranks wait in that broadcast while rank 0 waits for rollouts. A stop that ends rank 0's wait
             # reaches them as one more batch, so every rank leaves the step at the same point.
             base = getattr(loader, "base_dataloader", loader)
+            self.collated_groups = base.collate_fn.groups_trained  # TRL's collator adds each group it collates
             base.collate_fn = self.accounting.collate_with(base.collate_fn)
+            # private: torch's DataLoader makes each pass's iterator in _get_iterator; no public hook wraps it
             make = base._get_iterator
             base._get_iterator = lambda: stop_batch_on_preempt(make(), self.accelerator.num_processes)
         return loader
@@ -3390,9 +3406,10 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
         step's log (every step) has counted its groups as trained before a save reads them."""
         done = self.accounting.trained_groups | {g for g, outcome in self.accounting.settled_groups().items()
                                                  if outcome != "samples"}
-        seen = max(self._trained_groups | done, default=-1) + 1  # TRL's set of the groups it collated
+        seen = max(self.collated_groups | done, default=-1) + 1
         return self.rollout_worker.order.after(seen, done)
 
+    # private: transformers' training loop, where TRL reads the resumed checkpoint before the rollout child starts
     def _inner_training_loop(self, *a, **kw):
         checkpoint = kw.get("resume_from_checkpoint")
         if self.rollout_worker is not None and checkpoint:
@@ -3404,11 +3421,13 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
             if self.accelerator.is_main_process:
                 self.accounting.finish(self.rollout_worker.samples_left_at_stop, self.held_out)
 
+    # private: TRL has no switch for merged sync only; its probe would advise the --enable-lora the preflight refuses
     def _init_lora_sync(self, model):
         # Merged sync only (the preflight refuses an --enable-lora vLLM): TRL's adapter-only sync registers
         # adapters under its own names, which the capture proxy never asks for.
         return False
 
+    # private: TRL's merged push; no public switch keeps it from merging the adapter in place
     def _sync_weight_merged(self, t0):
         model = self.accelerator.unwrap_model(self.model)
         if not is_peft_model(model):
@@ -3422,6 +3441,7 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
         finally:
             del model.merge_adapter, model.unmerge_adapter
 
+    # private: the tensors TRL's merged push sends; no public hook supplies them
     def _streaming_iter(self):
         model = self.accelerator.unwrap_model(self.model)
         if not is_peft_model(model):
@@ -3439,11 +3459,13 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
                 tensor = tensor.to(param.dtype)
             yield name, tensor.to(self.accelerator.device)
 
+    # private: transformers has no public hook for the directory a checkpoint is written into
     def _get_output_dir(self, trial):
         # transformers and TRL write a checkpoint file by file into <output dir>/checkpoint-N; pointing them at a
         # staging dir while they do means a kill mid-save leaves no half-written checkpoint-N behind.
         return self._staging_dir or super()._get_output_dir(trial)
 
+    # private: transformers' checkpoint save, the one place to stage it and publish it whole
     def _save_checkpoint(self, model, trial):
         name = f"checkpoint-{self.state.global_step}"
         run_dir = Path(super()._get_output_dir(trial))
@@ -3575,8 +3597,8 @@ def launch_rank() -> int:
 def process_group_timeout() -> str:
     """The timeout of the process group training runs on, as torch holds it (what the NCCL watchdog enforces)."""
     try:
-        group = dist.distributed_c10d._get_default_group()
-        backend = group._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        # private: torch has no public getter of a process group's timeout (_get_backend, options._timeout)
+        backend = dist.group.WORLD._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         return f"{dist.get_world_size()} ranks ({dist.get_backend()}), collective timeout {backend.options._timeout}"
     except (AttributeError, RuntimeError, ValueError) as exc:  # private torch API: report, do not fail the run
         return f"{dist.get_world_size()} ranks (timeout unreadable: {exc})"
