@@ -2800,9 +2800,9 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
             stop = exc if isinstance(exc, TrainingStopped) else exc.__cause__  # TRL's CaptureContractError wraps it
             if not isinstance(stop, TrainingStopped):
                 raise
-            # private: TRL's failure channel, _exception_info_queue and _failed_event: the trainer raises it again
-            # from check_health (`stop_from_child`)
+            # Sent through TRL's failure channel (the trainer raises it again from check_health, `stop_from_child`)
             # without the three tracebacks TRL's child prints for a crash.
+            # private: TRL's child reports a failure only through _exception_info_queue and _failed_event
             self._exception_info_queue.put_nowait((type(stop).__name__, str(stop), ""))
             self._failed_event.set()
             # TRL's gather leaves the generate loop running; closing the event loop under it prints "Task was

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
 import re
 import sys
 import textwrap
@@ -18,6 +19,8 @@ import pytest
 
 from conftest import SCRIPT, load_script
 from test_packaging import PRIVATE_CODE_OVERRIDDEN
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # as the script does: its tables import trl.experimental
 
 HARNESS = "trl.experimental.async_grpo.openenv_harness"
 WORKER = "trl.experimental.async_grpo.async_rollout_worker"
@@ -73,11 +76,13 @@ PRIVATE = [
             used_by=(f"{WORKER}:AsyncRolloutWorker.start: self._loop_cls,",)),
     Private(f"{HARNESS}:HarnessRolloutWorker", "_loop_kwargs", "the child loop's keyword arguments, sent by start()",
             "init", used_by=(f"{WORKER}:AsyncRolloutWorker.start: self._loop_kwargs,",
-                             f"{TRAINER}:AsyncGRPOTrainer._inner_training_loop: _loop_kwargs\\[\"dataset_start_index\"\\]")),
+                             f"{TRAINER}:AsyncGRPOTrainer._inner_training_loop: "
+                             '_loop_kwargs\\["dataset_start_index"\\]')),
     Private(f"{HARNESS}:HarnessRolloutWorker", "_exception_info_queue", "the queue check_health() reads", "init",
             used_by=(f"{WORKER}:AsyncRolloutWorker.check_health: self._exception_info_queue.get_nowait\\(\\)",)),
     Private(f"{HARNESS}:HarnessRolloutWorker", "_process", "the child process, None once stopped", "init"),
-    Private(f"{HARNESS}:HarnessRolloutWorker", "_stop_event_mp", "the multiprocessing Event the child stops on", "init"),
+    Private(f"{HARNESS}:HarnessRolloutWorker", "_stop_event_mp", "the multiprocessing Event the child stops on",
+            "init"),
     # TRL: the trainer's weight push.
     Private(TRAINER, "_iter_vllm_named_params", "(model) -> (name, param) of every tensor vLLM receives", "function",
             ("model",), generator=True,
@@ -94,7 +99,8 @@ PRIVATE = [
     Private("trl.experimental.async_grpo.weight_transfer:WeightTransferClient", "_CONTROL_TIMEOUT",
             "seconds TRL allows pause, resume and the reload set-up", "number"),
     Private("trl.experimental.async_grpo.packing", "_flash_attn", "() -> the attention kernel, cached", "function",
-            (), used_by=("trl.experimental.async_grpo.packing:tree_attention: _flash_attn\\(\\).flash_attn_varlen_func",)),
+            (), used_by=("trl.experimental.async_grpo.packing:tree_attention: "
+                         "_flash_attn\\(\\).flash_attn_varlen_func",)),
     # transformers' Trainer.
     Private("transformers:Trainer", "_inner_training_loop", "the training loop, given resume_from_checkpoint by name",
             "method", ("self", "batch_size", "args", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
