@@ -154,8 +154,11 @@ def test_on_a_gpu_the_served_dtype_is_judged_against_bf16_autocast_whatever_the_
     rows = {}
     for served, dtype in [("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float32", "float32"),
                           ("float16", "float16")]:
-        pf = script.Preflight()
-        script.check_dtype(script.parse_args(["--model", str(tiny_model), "--dtype", dtype]), pf, served, on_gpu=True)
+        args = script.parse_args(["--model", str(tiny_model), "--dtype", dtype])
+        args.bf16 = True  # what the config says on a GPU
+        pf = script.Preflight(args)
+        pf.served, pf.vllm_config = {"dtype": served}, {}  # vLLM's /server_info answered
+        script.check_dtype(pf)
         rows[served, dtype] = pf.rows[0]
     assert rows["bfloat16", "float32"][1:3] == ("PASS", "vLLM serves bfloat16 and the trainer scores under bfloat16 "
                                                 "autocast; the trainer's weights are float32 (--dtype float32), "
