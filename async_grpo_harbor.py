@@ -69,7 +69,8 @@ The sections below, in the order data flows (search for `# --- <name>`):
     Session factory  HarborSessionFactory: one Harbor rollout (harness + sandbox + verifier) per TRL session
     Reward           harbor_reward (a rollout's score), shape_group_rewards (the group's, before TRL's advantages)
     Harbor server    EmbeddedHarborServer: the `openenv harbor serve` this script starts without --harbor-url
-    Preflight        preflight(): every row `--check` prints, run before any weights load
+    Sizing           TrainerShape, checkpoint_disk, trainer_peak: the disk and GPU memory a run needs
+    Preflight        PREFLIGHT_CHECKS: one check per row `--check` prints, run before any weights load
     Measure          run_measure (--eval-only, --curate), held_out_eval (--eval-tasks during training)
     Trainer          HarborRolloutLoop (in TRL's rollout child), RolloutAccounting, HarborGRPOTrainer, build_trainer
     Main             main: arguments -> preflight -> train(), whose `trainer.train(...)` is the training call
@@ -1251,6 +1252,199 @@ class EmbeddedHarborServer:
             proc.wait()
 
 
+# --- Sizing: the disk and GPU memory a run needs, from --model's config alone -----------------------------------------
+@functools.cache
+def model_shape(model: str) -> tuple[int, str]:
+    """(parameters, checkpoint dtype) of --model, from its config alone: no weights are read."""
+    config = AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    return params, str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+
+
+def lora_model(args: argparse.Namespace):
+    """--use-peft's model on the meta device, from --model's config alone (no weights are read): the modules PEFT
+    resolves --lora-target-modules to (its default for the architecture, all-linear), as training will."""
+    from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
+
+    with torch.device("meta"), warnings.catch_warnings():
+        # PEFT's warning about an adapter on tied embeddings: check_trainer refuses them in one line instead.
+        warnings.filterwarnings("ignore", message="Model (has|with) `tie_word_embeddings=True`")
+        return get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
+                              peft_config(args))
+
+
+def model_shape_error(args: argparse.Namespace) -> str | None:
+    try:
+        model_shape(args.model)
+    except Exception as exc:  # noqa: BLE001 - any reason the config cannot be read means the same here
+        return f"cannot read --model's config: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return None
+
+
+def trainer_dtype(args: argparse.Namespace) -> str | None:
+    """The dtype the trainer's weights load in (TRL passes --dtype to from_pretrained; auto: the checkpoint's)."""
+    if args.dtype != "auto":
+        return args.dtype
+    return None if model_shape_error(args) else model_shape(args.model)[1]
+
+
+class TrainerShape(NamedTuple):
+    """What the trainer holds for --model at --dtype: the sizes its checkpoints and its GPU memory follow from."""
+    params: int  # every parameter of --model
+    width: int  # bytes per weight at the trainer's dtype
+    adapter: int  # trained LoRA adapter parameters (float32); 0 for a full fine-tune
+    adapted_inputs: int  # input features of the linears LoRA adapts, summed over one decoder layer
+    layers: int
+    hidden: int
+    intermediate: int
+    merged: int = 0  # parameters of the base weights LoRA adapts: the copies a merged push makes of them
+    largest: int = 0  # elements of the largest tensor a push sends (the embeddings or the LM head)
+
+
+def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
+    """From --model's config alone (no weights are read); None when it cannot be read, --dtype auto resolved, or
+    --lora-target-modules names no module of it (the LoRA targets row)."""
+    dtype = trainer_dtype(args)
+    if dtype is None or model_shape_error(args) is not None:
+        return None
+    config = AutoConfig.from_pretrained(args.model)
+    text = config.get_text_config()
+    adapter = adapted = merged = 0
+    if args.use_peft:
+        from peft.tuners.lora import LoraLayer
+
+        try:
+            model = lora_model(args)
+        except ValueError:  # PEFT's NoMatchingPeftModuleError
+            return None
+        adapter = model.get_nb_trainable_parameters()[0]
+        layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        adapted = sum(m.in_features for m in layers) // text.num_hidden_layers
+        merged = sum(m.get_base_layer().weight.numel() for m in layers)
+    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    return TrainerShape(model_shape(args.model)[0], torch.finfo(getattr(torch, dtype)).bits // 8, adapter, adapted,
+                        text.num_hidden_layers, text.hidden_size, intermediate, merged,
+                        text.hidden_size * max(text.vocab_size, intermediate))
+
+
+class CheckpointDisk(NamedTuple):
+    """Bytes a run writes into --output-dir: its checkpoints while it trains, the merged model (LoRA) at the end."""
+    each: int  # one checkpoint-N
+    kept: int  # how many the rotation keeps (--save-total-limit)
+    merged: int  # <output dir>/merged, written once at the end; 0 for a full fine-tune
+    peak: int  # the most the output dir holds at once
+
+
+def checkpoint_disk(args: argparse.Namespace, shape: TrainerShape) -> CheckpointDisk:
+    kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
+    if args.use_peft:
+        # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
+        each, merged = shape.adapter * 4 * 3, shape.params * shape.width
+    else:
+        # transformers saves the weights and torch's AdamW state (two moments) in the weights' dtype.
+        each, merged = shape.params * shape.width * 3, 0
+    return CheckpointDisk(each, kept, merged, (kept + 1) * each + merged)  # the oldest goes once the newest is whole
+
+
+# The trainer's peak memory per token of a packed row, beyond the layer inputs gradient checkpointing keeps, fitted to
+# every peak bench/gpu_capacity.py recorded on an H200 through TRL's loss path (gradient checkpointing, fused chunked LM
+# head, bf16 autocast, fused AdamW; tests/test_trainer_memory.py holds each within 2 % of the projection): one decoder
+# layer recomputed with its gradients costs these bytes per (hidden + intermediate) feature (measured 19.9 / 18.1 in a
+# Qwen3-4B full fine-tune at float32 / bfloat16; 12.5-13.1 over a frozen bfloat16 base of 8B-32B), and every linear LoRA
+# adapts these per input feature (5.9-6.0: PEFT's dropout copy, its mask and their gradient).
+RECOMPUTE_FULL, RECOMPUTE_FROZEN, LORA_INPUT = 20, 13, 6
+# The weight push's staging copies: CUDA-IPC pushes bfloat16 copies in 1 GiB chunks (0.7-1.1 GiB over the trainer's
+# peak, measured on an H200); no push stages more than the served weights. A merged LoRA push over CUDA IPC keeps
+# every merged copy until vLLM's /finish_weight_update instead (CudaIpcWeightTransfer.send_weights says why).
+PUSH_STAGING = 2**30
+# vLLM loading a pushed tensor allocates beside its own share of the card: the tensor cast to its dtype where the
+# dtypes differ, and its loader's working copy; up to this many copies of the largest pushed tensor at vLLM's dtype.
+VLLM_PUSH_COPIES = 2
+# What torch's caching allocator does not count on the trainer's GPU (kernels' code, library handles, NCCL's buffers):
+# a cap on the allocator has to leave it free.
+OUTSIDE_ALLOCATOR = 2**29
+# vLLM's own buffers beyond weights and KV cache (activations, CUDA graphs, sampler): Qwen3-4B at 0.35 of an H200 held
+# 7.5 GiB of weights and 40.5 GiB of KV cache of its 49.1 GiB.
+VLLM_BUFFERS = int(1.1 * 2**30)
+# Past the measured error, so a projection this close to the limit warns instead of passing.
+MEMORY_TOLERANCE = 0.05
+# The tokens a rollout starts with (system prompt + task) when a row is planned as prompt + turns x tokens per turn
+# (docs/capacity.md; the rig's mini-swe-agent prompt is ~1.1k).
+PROMPT_TOKENS = 1500
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a torch dtype by name ("bfloat16"); 2 where torch has no such dtype."""
+    dtype = getattr(torch, name, None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 2
+
+
+def longest_row(args: argparse.Namespace, max_model_len: int | None) -> int | None:
+    """Tokens one trainer rank forwards at most in a micro-batch: TRL packs rollouts into a row up to its token budget
+    (unset: vLLM's max_model_len, TRL's own default), or takes per_device_train_batch_size rollouts without one."""
+    budget = args.config.token_budget
+    if budget is not None and budget > 0:
+        return budget
+    if not max_model_len:
+        return None
+    return max_model_len if budget is None else args.config.per_device_train_batch_size * max_model_len
+
+
+def trainer_peak(shape: TrainerShape, row: int, ranks: int = 1, fsdp: bool = False, backend: str | None = None,
+                 served_width: int = 2) -> dict[str, int]:
+    """Peak bytes torch's allocator holds on one trainer GPU in an optimizer step over a `row`-token row, by part;
+    on a GPU vLLM shares (`backend` ipc), with what vLLM allocates beside its share while it loads a push of
+    `served_width`-byte weights.
+
+    Gradient checkpointing keeps every layer's input (at the weights' width: embeddings and norms run outside bf16
+    autocast) until backward, which frees them layer by layer while it adds that layer's gradients: the peak holds the
+    larger of the two, plus the layer being recomputed.
+    """
+    lora = shape.adapter > 0
+    trained, width = (shape.adapter, 4) if lora else (shape.params, shape.width)  # PEFT trains float32 adapters
+    shard = ranks if fsdp else 1  # FSDP shards weights, gradients and AdamW state; DDP gives every rank all of them
+    grads, saved = trained * width // shard, row * shape.layers * shape.hidden * shape.width
+    recompute = (RECOMPUTE_FROZEN if lora else RECOMPUTE_FULL) * (shape.hidden + shape.intermediate)
+    parts = {"frozen base": shape.params * shape.width // shard if lora else 0,
+             # torch's AdamW keeps both moments in the weight's dtype
+             f"{'adapters' if lora else 'weights'} + AdamW": 3 * trained * width // shard,
+             "gradients" if grads >= saved else "saved layer inputs": max(grads, saved),
+             # accelerate's DDP copies every gradient into its buckets (gradient_as_bucket_view off)
+             "DDP buckets": grads if ranks > 1 and not fsdp else 0,
+             "layer recomputed": row * (recompute + LORA_INPUT * shape.adapted_inputs),
+             "push staging": max(min(PUSH_STAGING, 2 * shape.params),
+                                 shape.merged * shape.width if lora and backend == "ipc" else 0),
+             "vLLM's push copies": VLLM_PUSH_COPIES * shape.largest * served_width if backend == "ipc" else 0}
+    return {part: n for part, n in parts.items() if n}
+
+
+def longest_fitting_row(shape: TrainerShape, limit: int, ranks: int, fsdp: bool, upto: int, **push: Any) -> int:
+    low, high = 0, upto
+    while low < high:
+        mid = (low + high + 1) // 2
+        fits = sum(trainer_peak(shape, mid, ranks, fsdp, **push).values()) <= limit
+        low, high = (mid, high) if fits else (low, mid - 1)
+    return low
+
+
+def vllm_floor(args: argparse.Namespace, shape: TrainerShape, tokens: int) -> int:
+    """Bytes a vLLM serving --model needs at the least: bfloat16 weights, the KV cache of one `tokens`-long sequence and
+    VLLM_BUFFERS."""
+    text = AutoConfig.from_pretrained(args.model).get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_per_token = 2 * shape.layers * getattr(text, "num_key_value_heads", text.num_attention_heads) * head_dim * 2
+    return 2 * shape.params + tokens * kv_per_token + VLLM_BUFFERS
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:,.1f} MiB"
+
+
+def human_bytes(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
 # --- Preflight (`--check`, and every run): refuse a setup that would train on nothing, before loading weights ---------
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 # Where a backend's sandboxes run is said by neither openenv's capabilities nor Harbor's EnvironmentCapabilities.
@@ -1378,26 +1572,6 @@ class Preflight:
         return bool(self.args.eval_tasks) and self.training
 
 
-def closest_first(name: str, choices: Any) -> list[str]:
-    return difflib.get_close_matches(name, list(choices), n=len(choices), cutoff=0)
-
-
-def harbor_environment_types() -> set[str]:
-    """Sandbox types Harbor itself knows; the server advertises (and credential-checks) only a few of them."""
-    try:
-        from harbor.models.environment_type import EnvironmentType
-    except ImportError:
-        return OFF_HOST_SANDBOXES | {"docker", "podman"}
-    return {t.value for t in EnvironmentType}
-
-
-def http_json(url: str, timeout: float = 10.0) -> Any:
-    """TRL's VLLMClient reads /v1/models and /server_info too, but with no timeout (a port that accepts and never
-    answers hangs the preflight) and without the served model's id."""
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
-        return json.loads(reply.read())
-
-
 def check_output_dir(pf: Preflight) -> None:
     out = Path(pf.args.output_dir)
     try:
@@ -1444,6 +1618,13 @@ def check_grpo(pf: Preflight) -> None:
     pf.add("GRPO", PASS, f"{pf.args.num_generations} generations per group, {pf.args.max_inflight} rollouts in flight")
 
 
+def http_json(url: str, timeout: float = 10.0) -> Any:
+    """TRL's VLLMClient reads /v1/models and /server_info too, but with no timeout (a port that accepts and never
+    answers hangs the preflight) and without the served model's id."""
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
 def check_vllm_reachable(pf: Preflight) -> None:
     """What vLLM serves and says of itself, asked once: the rows after this one judge it."""
     args = pf.args
@@ -1484,6 +1665,38 @@ def check_served_model(pf: Preflight) -> None:
                "the trainer would push its weights into another model", "serve --model with vLLM, or fix --model")
 
 
+def check_capture_tier(pf: Preflight) -> None:
+    """Token ids from OpenEnv's probe; processed logprobs from vLLM's own config where it answers, else measured.
+
+    The probe measures logprobs at two temperatures and cannot tell on a near-uniform model (a random or tiny one);
+    vLLM's `--logprobs-mode` in /server_info decides it whatever the model.
+    """
+    report, logprobs_mode = pf.llm_report, pf.served["logprobs_mode"]
+    fix = "restart vLLM with --logprobs-mode processed_logprobs"
+    if logprobs_mode and logprobs_mode != "processed_logprobs":
+        what = ("pre-temperature logprobs (vLLM's default)" if logprobs_mode == "raw_logprobs"
+                else "logits, not logprobs")
+        pf.add("capture tier", FAIL, f"vLLM's /server_info: logprobs_mode {logprobs_mode}, i.e. {what}: every "
+               "importance ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
+    elif report.logprobs_mode == "raw":  # OpenEnv's probe then grades the engine eval tier whatever vLLM says
+        pf.add("capture tier", FAIL, "the engine returns raw (pre-temperature) logprobs, measured: every importance "
+               "ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
+    elif report.capture_level != "tokens":
+        flags = {"logprobs": "--return-tokens-as-token-ids"}.get(
+            report.capture_level, "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
+        pf.add("capture tier", FAIL, f"the engine's rollouts would be eval tier ({report.capture_level or 'nothing'} "
+               "captured, no token ids): nothing to train on", f"restart vLLM with {flags}")
+    elif logprobs_mode:
+        pf.add("capture tier", PASS, "train: token ids + processed logprobs (vLLM's /server_info: logprobs_mode "
+               "processed_logprobs)")
+    elif report.logprobs_mode == "processed":
+        pf.add("capture tier", PASS, "train: token ids + processed logprobs (measured at two temperatures)")
+    else:
+        pf.add("capture tier", WARN, "train: token ids + logprobs, but whether they are processed (temperature-"
+               "scaled) could not be measured, and vLLM's /server_info (dev mode) did not say",
+               "make sure vLLM runs with --logprobs-mode processed_logprobs")
+
+
 def check_tool_calls(pf: Preflight) -> None:
     tools = {"ok": (PASS, "a tool call round-trips"),
              "rejected": (FAIL, "vLLM refuses tool calls, which every agent harness makes"),
@@ -1519,6 +1732,33 @@ def check_weight_transfer(pf: Preflight) -> None:
                "nccl (vLLM on a GPU of its own) or ipc (vLLM on the trainer's GPU)",
                "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}' (two GPUs) or "
                "'{\"backend\":\"ipc\"}' with --host 127.0.0.1 (one GPU, shared)")
+
+
+def url_port(url: str) -> int:
+    parts = urllib.parse.urlsplit(url)
+    return parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, str]]:
+    """(address, socket inode) of every TCP socket listening on `port` in this network namespace."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                address, hex_port = fields[1].split(":")
+                if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: TCP_LISTEN
+                    raw = bytes.fromhex(address)  # 32-bit words, each in the kernel's (little-endian) byte order
+                    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                    found.append((getattr(ip, "ipv4_mapped", None) or ip, fields[9]))
+    return found
 
 
 def check_vllm_on_loopback(pf: Preflight) -> None:
@@ -1557,78 +1797,6 @@ def check_trainer_ranks(pf: Preflight) -> None:
                "GPU of its own with --weight-transfer-config '{\"backend\":\"nccl\"}'")
 
 
-def check_lora_engine(pf: Preflight) -> None:
-    if pf.vllm_config.get("lora_config"):
-        # TRL would then sync the adapter alone, registered as `trl-policy-vN`, which only its own worker asks for:
-        # the capture proxy asks for the served model, so every rollout would sample the untrained base.
-        pf.add("LoRA", FAIL, "vLLM runs with --enable-lora (its /server_info has a lora_config): TRL would push the "
-               "adapter under its own names, which the Harbor capture proxy never requests, so every rollout would "
-               "sample the untrained base model",
-               "restart vLLM without --enable-lora (and its --max-lora-rank / --max-loras): --use-peft pushes merged "
-               "weights")
-    else:
-        pf.add("LoRA", PASS, f"merged sync: every push sends the base weights with the r={pf.args.lora_r} adapter "
-               "folded in (vLLM runs without --enable-lora)")
-
-
-def check_context(pf: Preflight) -> None:
-    args, max_len = pf.args, pf.served["max_model_len"]
-    worst = args.agent_step_limit * args.max_completion_length
-    if not max_len:
-        pf.add("context", WARN, "vLLM did not report its max_model_len")
-    elif worst > max_len:
-        pf.add("context", WARN, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} > "
-               f"vLLM's max_model_len {max_len:,}: a rollout that uses its whole budget ends at the context limit",
-               "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
-    else:
-        pf.add("context", PASS, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} "
-               f"fit max_model_len {max_len:,}, with {max_len - worst:,} left for the prompt and command output")
-
-
-def url_port(url: str) -> int:
-    parts = urllib.parse.urlsplit(url)
-    return parts.port or (443 if parts.scheme == "https" else 80)
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_capture_tier(pf: Preflight) -> None:
-    """Token ids from OpenEnv's probe; processed logprobs from vLLM's own config where it answers, else measured.
-
-    The probe measures logprobs at two temperatures and cannot tell on a near-uniform model (a random or tiny one);
-    vLLM's `--logprobs-mode` in /server_info decides it whatever the model.
-    """
-    report, logprobs_mode = pf.llm_report, pf.served["logprobs_mode"]
-    fix = "restart vLLM with --logprobs-mode processed_logprobs"
-    if logprobs_mode and logprobs_mode != "processed_logprobs":
-        what = ("pre-temperature logprobs (vLLM's default)" if logprobs_mode == "raw_logprobs"
-                else "logits, not logprobs")
-        pf.add("capture tier", FAIL, f"vLLM's /server_info: logprobs_mode {logprobs_mode}, i.e. {what}: every "
-               "importance ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
-    elif report.logprobs_mode == "raw":  # OpenEnv's probe then grades the engine eval tier whatever vLLM says
-        pf.add("capture tier", FAIL, "the engine returns raw (pre-temperature) logprobs, measured: every importance "
-               "ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
-    elif report.capture_level != "tokens":
-        flags = {"logprobs": "--return-tokens-as-token-ids"}.get(
-            report.capture_level, "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
-        pf.add("capture tier", FAIL, f"the engine's rollouts would be eval tier ({report.capture_level or 'nothing'} "
-               "captured, no token ids): nothing to train on", f"restart vLLM with {flags}")
-    elif logprobs_mode:
-        pf.add("capture tier", PASS, "train: token ids + processed logprobs (vLLM's /server_info: logprobs_mode "
-               "processed_logprobs)")
-    elif report.logprobs_mode == "processed":
-        pf.add("capture tier", PASS, "train: token ids + processed logprobs (measured at two temperatures)")
-    else:
-        pf.add("capture tier", WARN, "train: token ids + logprobs, but whether they are processed (temperature-"
-               "scaled) could not be measured, and vLLM's /server_info (dev mode) did not say",
-               "make sure vLLM runs with --logprobs-mode processed_logprobs")
-
-
 def check_dtype(pf: Preflight) -> None:
     """The precision the trainer scores at against the one vLLM samples at: on a GPU the trainer computes under bf16
     autocast whatever its weights are (the config's bf16, HarborGRPOConfig; accelerate wraps the forward),
@@ -1663,25 +1831,32 @@ def check_dtype(pf: Preflight) -> None:
                "(its risk at small learning rates)")
 
 
-@functools.cache
-def model_shape(model: str) -> tuple[int, str]:
-    """(parameters, checkpoint dtype) of --model, from its config alone: no weights are read."""
-    config = AutoConfig.from_pretrained(model)
-    with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    return params, str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+def check_lora_engine(pf: Preflight) -> None:
+    if pf.vllm_config.get("lora_config"):
+        # TRL would then sync the adapter alone, registered as `trl-policy-vN`, which only its own worker asks for:
+        # the capture proxy asks for the served model, so every rollout would sample the untrained base.
+        pf.add("LoRA", FAIL, "vLLM runs with --enable-lora (its /server_info has a lora_config): TRL would push the "
+               "adapter under its own names, which the Harbor capture proxy never requests, so every rollout would "
+               "sample the untrained base model",
+               "restart vLLM without --enable-lora (and its --max-lora-rank / --max-loras): --use-peft pushes merged "
+               "weights")
+    else:
+        pf.add("LoRA", PASS, f"merged sync: every push sends the base weights with the r={pf.args.lora_r} adapter "
+               "folded in (vLLM runs without --enable-lora)")
 
 
-def lora_model(args: argparse.Namespace):
-    """--use-peft's model on the meta device, from --model's config alone (no weights are read): the modules PEFT
-    resolves --lora-target-modules to (its default for the architecture, all-linear), as training will."""
-    from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
-
-    with torch.device("meta"), warnings.catch_warnings():
-        # PEFT's warning about an adapter on tied embeddings: check_trainer refuses them in one line instead.
-        warnings.filterwarnings("ignore", message="Model (has|with) `tie_word_embeddings=True`")
-        return get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
-                              peft_config(args))
+def check_context(pf: Preflight) -> None:
+    args, max_len = pf.args, pf.served["max_model_len"]
+    worst = args.agent_step_limit * args.max_completion_length
+    if not max_len:
+        pf.add("context", WARN, "vLLM did not report its max_model_len")
+    elif worst > max_len:
+        pf.add("context", WARN, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} > "
+               f"vLLM's max_model_len {max_len:,}: a rollout that uses its whole budget ends at the context limit",
+               "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
+    else:
+        pf.add("context", PASS, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} "
+               f"fit max_model_len {max_len:,}, with {max_len - worst:,} left for the prompt and command output")
 
 
 def tied_lora_targets(model: Any) -> list[str]:
@@ -1696,60 +1871,6 @@ def tied_lora_targets(model: Any) -> list[str]:
         return []
     return [name for name, m in base.named_modules() if isinstance(m, LoraLayer)
             and m.get_base_layer().weight is pair[0].weight]
-
-
-def model_shape_error(args: argparse.Namespace) -> str | None:
-    try:
-        model_shape(args.model)
-    except Exception as exc:  # noqa: BLE001 - any reason the config cannot be read means the same here
-        return f"cannot read --model's config: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    return None
-
-
-def trainer_dtype(args: argparse.Namespace) -> str | None:
-    """The dtype the trainer's weights load in (TRL passes --dtype to from_pretrained; auto: the checkpoint's)."""
-    if args.dtype != "auto":
-        return args.dtype
-    return None if model_shape_error(args) else model_shape(args.model)[1]
-
-
-class TrainerShape(NamedTuple):
-    """What the trainer holds for --model at --dtype: the sizes its checkpoints and its GPU memory follow from."""
-    params: int  # every parameter of --model
-    width: int  # bytes per weight at the trainer's dtype
-    adapter: int  # trained LoRA adapter parameters (float32); 0 for a full fine-tune
-    adapted_inputs: int  # input features of the linears LoRA adapts, summed over one decoder layer
-    layers: int
-    hidden: int
-    intermediate: int
-    merged: int = 0  # parameters of the base weights LoRA adapts: the copies a merged push makes of them
-    largest: int = 0  # elements of the largest tensor a push sends (the embeddings or the LM head)
-
-
-def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
-    """From --model's config alone (no weights are read); None when it cannot be read, --dtype auto resolved, or
-    --lora-target-modules names no module of it (the LoRA targets row)."""
-    dtype = trainer_dtype(args)
-    if dtype is None or model_shape_error(args) is not None:
-        return None
-    config = AutoConfig.from_pretrained(args.model)
-    text = config.get_text_config()
-    adapter = adapted = merged = 0
-    if args.use_peft:
-        from peft.tuners.lora import LoraLayer
-
-        try:
-            model = lora_model(args)
-        except ValueError:  # PEFT's NoMatchingPeftModuleError
-            return None
-        adapter = model.get_nb_trainable_parameters()[0]
-        layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-        adapted = sum(m.in_features for m in layers) // text.num_hidden_layers
-        merged = sum(m.get_base_layer().weight.numel() for m in layers)
-    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
-    return TrainerShape(model_shape(args.model)[0], torch.finfo(getattr(torch, dtype)).bits // 8, adapter, adapted,
-                        text.num_hidden_layers, text.hidden_size, intermediate, merged,
-                        text.hidden_size * max(text.vocab_size, intermediate))
 
 
 def check_lora_targets(pf: Preflight) -> None:
@@ -1810,31 +1931,21 @@ def check_checkpoints(pf: Preflight) -> None:
         return
     if not pf.writable or shape is None:  # the output dir's row, or a --lora-target-modules without a shape to size
         return
-    params, width = shape.params, shape.width
-    kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
-    free = shutil.disk_usage(args.output_dir).free
-    written = f"{kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written"
+    disk, free = checkpoint_disk(args, shape), shutil.disk_usage(args.output_dir).free
+    pf.plan["checkpoint_bytes"] = disk.each
+    written = f"{disk.kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written"
     if args.use_peft:
-        # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
-        pf.plan["checkpoint_bytes"] = size = shape.adapter * 4 * 3
-        merged = params * width  # <output dir>/merged, written once at the end
-        peak = (kept + 1) * size + merged
-        detail = (f"~{human_bytes(size)} each ({shape.adapter / 1e6:.2f} M adapter params x 12 B: float32 adapter "
-                  f"+ 2 AdamW moments); {written}, and the merged model at the end ({human_bytes(merged)}) = "
-                  f"{human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
+        detail = (f"~{human_bytes(disk.each)} each ({shape.adapter / 1e6:.2f} M adapter params x 12 B: float32 "
+                  f"adapter + 2 AdamW moments); {written}, and the merged model at the end "
+                  f"({human_bytes(disk.merged)}) = {human_bytes(disk.peak)}; {human_bytes(free)} free in "
+                  f"{args.output_dir}")
     else:
-        # transformers saves the weights and torch's AdamW state (two moments) in the weights' dtype.
-        pf.plan["checkpoint_bytes"] = size = params * width * 3
-        peak = (kept + 1) * size  # the oldest goes only once the newest is complete
+        params = shape.params
         count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
-        detail = (f"~{human_bytes(size)} each ({count} params x {3 * width} B: {dtype} weights + 2 AdamW "
-                  f"moments); {written} = {human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
-    pf.add("checkpoints", WARN if free < peak else PASS, detail,
+        detail = (f"~{human_bytes(disk.each)} each ({count} params x {3 * shape.width} B: {dtype} weights + 2 AdamW "
+                  f"moments); {written} = {human_bytes(disk.peak)}; {human_bytes(free)} free in {args.output_dir}")
+    pf.add("checkpoints", WARN if free < disk.peak else PASS, detail,
            "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
-
-
-def human_bytes(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
 
 
 def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
@@ -1858,19 +1969,57 @@ def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
     return apps
 
 
-def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, str]]:
-    """(address, socket inode) of every TCP socket listening on `port` in this network namespace."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                fields = line.split()
-                address, hex_port = fields[1].split(":")
-                if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: TCP_LISTEN
-                    raw = bytes.fromhex(address)  # 32-bit words, each in the kernel's (little-endian) byte order
-                    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
-                    found.append((getattr(ip, "ipv4_mapped", None) or ip, fields[9]))
-    return found
+def cpu_shares_cuda() -> bool:
+    """Whether a CPU trainer's push hands vLLM CUDA memory: torch shares none from CPU tensors (the CPU tests stand in
+    for it)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    return reduce_tensor(torch.zeros(1))[0] is rebuild_cuda_tensor
+
+
+def check_trainer_gpu(pf: Preflight) -> None:
+    if not torch.cuda.is_available():
+        if pf.ipc and not cpu_shares_cuda():
+            pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer (torch {torch.__version__}, "
+                   f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}), but vLLM serves the "
+                   "ipc backend: CUDA IPC cannot push weights from a CPU trainer",
+                   "run this script on vLLM's GPU (CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>) with a CUDA "
+                   "build of torch (`uv run` installs it from this script's header)")
+        else:
+            pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
+        return
+    fix = ("give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, CUDA_VISIBLE_DEVICES=1 "
+           "for this script (NCCL refuses two ranks on one device)")
+    pf.gpu_apps = apps = gpu_processes()
+    # The trainer's ranks on this node take the first visible GPUs, one each.
+    local = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()) if apps is not None else 0
+    held, shared, free = [], [], []
+    for index in range(local):
+        props = torch.cuda.get_device_properties(index)
+        label = f"cuda:{index} ({props.name})"
+        others = [a for a in apps.get(str(props.uuid).lower().removeprefix("gpu-"), []) if a[0] != os.getpid()]
+        vllm = [a for a in others if "vllm" in a[1].lower()]
+        if vllm:
+            held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
+        elif others:
+            shared.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
+        else:
+            free.append(label)
+    if pf.ipc:
+        pf.add("trainer GPU", PASS, f"{'; '.join(held + shared) or ', '.join(free) or 'cuda:0'}: shared with vLLM on "
+               "purpose (the ipc backend pushes weights within one card)")
+    elif held:
+        pf.add("trainer GPU", FAIL, "; ".join(held), fix)
+    elif apps is None:
+        # No nvidia-smi (or none that answers): memory is all that can be seen, and only for rank 0's own GPU.
+        free_b, total_b = torch.cuda.mem_get_info(0)
+        pf.add("trainer GPU", WARN if (total_b - free_b) / total_b > 0.25 else PASS,
+               f"cuda:0: {(total_b - free_b) / 2**30:.1f} of {total_b / 2**30:.0f} GiB already in use (nvidia-smi "
+               "unavailable, so who holds it is unknown)", fix)
+    elif shared:
+        pf.add("trainer GPU", WARN, "; ".join(shared) + "; the trainer needs the whole card", fix)
+    else:
+        pf.add("trainer GPU", PASS, f"{', '.join(free)}: no other process on it")
 
 
 def serving_processes(port: int) -> set[int]:
@@ -1935,59 +2084,6 @@ def check_same_gpu(pf: Preflight) -> None:
                f"cuda:0 (GPU-{mine}) is unknown: a push from another GPU fails at the first step", fix)
 
 
-def cpu_shares_cuda() -> bool:
-    """Whether a CPU trainer's push hands vLLM CUDA memory: torch shares none from CPU tensors (the CPU tests stand in
-    for it)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
-
-    return reduce_tensor(torch.zeros(1))[0] is rebuild_cuda_tensor
-
-
-def check_trainer_gpu(pf: Preflight) -> None:
-    if not torch.cuda.is_available():
-        if pf.ipc and not cpu_shares_cuda():
-            pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer (torch {torch.__version__}, "
-                   f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}), but vLLM serves the "
-                   "ipc backend: CUDA IPC cannot push weights from a CPU trainer",
-                   "run this script on vLLM's GPU (CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>) with a CUDA "
-                   "build of torch (`uv run` installs it from this script's header)")
-        else:
-            pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
-        return
-    fix = ("give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, CUDA_VISIBLE_DEVICES=1 "
-           "for this script (NCCL refuses two ranks on one device)")
-    pf.gpu_apps = apps = gpu_processes()
-    # The trainer's ranks on this node take the first visible GPUs, one each.
-    local = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()) if apps is not None else 0
-    held, shared, free = [], [], []
-    for index in range(local):
-        props = torch.cuda.get_device_properties(index)
-        label = f"cuda:{index} ({props.name})"
-        others = [a for a in apps.get(str(props.uuid).lower().removeprefix("gpu-"), []) if a[0] != os.getpid()]
-        vllm = [a for a in others if "vllm" in a[1].lower()]
-        if vllm:
-            held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
-        elif others:
-            shared.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
-        else:
-            free.append(label)
-    if pf.ipc:
-        pf.add("trainer GPU", PASS, f"{'; '.join(held + shared) or ', '.join(free) or 'cuda:0'}: shared with vLLM on "
-               "purpose (the ipc backend pushes weights within one card)")
-    elif held:
-        pf.add("trainer GPU", FAIL, "; ".join(held), fix)
-    elif apps is None:
-        # No nvidia-smi (or none that answers): memory is all that can be seen, and only for rank 0's own GPU.
-        free_b, total_b = torch.cuda.mem_get_info(0)
-        pf.add("trainer GPU", WARN if (total_b - free_b) / total_b > 0.25 else PASS,
-               f"cuda:0: {(total_b - free_b) / 2**30:.1f} of {total_b / 2**30:.0f} GiB already in use (nvidia-smi "
-               "unavailable, so who holds it is unknown)", fix)
-    elif shared:
-        pf.add("trainer GPU", WARN, "; ".join(shared) + "; the trainer needs the whole card", fix)
-    else:
-        pf.add("trainer GPU", PASS, f"{', '.join(free)}: no other process on it")
-
-
 def check_attention_kernel(pf: Preflight) -> None:
     """TRL's own kernel loader, now: the hub download and the GPU check take seconds here, not a failed first step
     after weights, the first weight push and the first paid sandbox group. TRL caches the module it returns."""
@@ -2032,97 +2128,12 @@ def check_attention_kernel(pf: Preflight) -> None:
     pf.add("attention kernel", PASS, f"{repo} loaded and ran on {gpu}")
 
 
-# The trainer's peak memory per token of a packed row, beyond the layer inputs gradient checkpointing keeps, fitted to
-# every peak bench/gpu_capacity.py recorded on an H200 through TRL's loss path (gradient checkpointing, fused chunked LM
-# head, bf16 autocast, fused AdamW; tests/test_trainer_memory.py holds each within 2 % of the projection): one decoder
-# layer recomputed with its gradients costs these bytes per (hidden + intermediate) feature (measured 19.9 / 18.1 in a
-# Qwen3-4B full fine-tune at float32 / bfloat16; 12.5-13.1 over a frozen bfloat16 base of 8B-32B), and every linear LoRA
-# adapts these per input feature (5.9-6.0: PEFT's dropout copy, its mask and their gradient).
-RECOMPUTE_FULL, RECOMPUTE_FROZEN, LORA_INPUT = 20, 13, 6
-# The weight push's staging copies: CUDA-IPC pushes bfloat16 copies in 1 GiB chunks (0.7-1.1 GiB over the trainer's
-# peak, measured on an H200); no push stages more than the served weights. A merged LoRA push over CUDA IPC keeps
-# every merged copy until vLLM's /finish_weight_update instead (CudaIpcWeightTransfer.send_weights says why).
-PUSH_STAGING = 2**30
-# vLLM loading a pushed tensor allocates beside its own share of the card: the tensor cast to its dtype where the
-# dtypes differ, and its loader's working copy; up to this many copies of the largest pushed tensor at vLLM's dtype.
-VLLM_PUSH_COPIES = 2
-# What torch's caching allocator does not count on the trainer's GPU (kernels' code, library handles, NCCL's buffers):
-# a cap on the allocator has to leave it free.
-OUTSIDE_ALLOCATOR = 2**29
-# vLLM's own buffers beyond weights and KV cache (activations, CUDA graphs, sampler): Qwen3-4B at 0.35 of an H200 held
-# 7.5 GiB of weights and 40.5 GiB of KV cache of its 49.1 GiB.
-VLLM_BUFFERS = int(1.1 * 2**30)
-# Past the measured error, so a projection this close to the limit warns instead of passing.
-MEMORY_TOLERANCE = 0.05
-# The tokens a rollout starts with (system prompt + task) when a row is planned as prompt + turns x tokens per turn
-# (docs/capacity.md; the rig's mini-swe-agent prompt is ~1.1k).
-PROMPT_TOKENS = 1500
-
-
-def dtype_bytes(name: str) -> int:
-    """Bytes per element of a torch dtype by name ("bfloat16"); 2 where torch has no such dtype."""
-    dtype = getattr(torch, name, None)
-    return dtype.itemsize if isinstance(dtype, torch.dtype) else 2
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:,.1f} MiB"
-
-
 def gpu_memory() -> tuple[int, int] | None:
     """(free, total) bytes on the trainer's GPU (rank 0's cuda:0) as the driver reports them; None without one."""
     try:
         return torch.cuda.mem_get_info(0)
     except (AssertionError, RuntimeError):  # torch built without CUDA asserts; with CUDA but no device it raises
         return None
-
-
-def longest_row(args: argparse.Namespace, max_model_len: int | None) -> int | None:
-    """Tokens one trainer rank forwards at most in a micro-batch: TRL packs rollouts into a row up to its token budget
-    (unset: vLLM's max_model_len, TRL's own default), or takes per_device_train_batch_size rollouts without one."""
-    budget = args.config.token_budget
-    if budget is not None and budget > 0:
-        return budget
-    if not max_model_len:
-        return None
-    return max_model_len if budget is None else args.config.per_device_train_batch_size * max_model_len
-
-
-def trainer_peak(shape: TrainerShape, row: int, ranks: int = 1, fsdp: bool = False, backend: str | None = None,
-                 served_width: int = 2) -> dict[str, int]:
-    """Peak bytes torch's allocator holds on one trainer GPU in an optimizer step over a `row`-token row, by part;
-    on a GPU vLLM shares (`backend` ipc), with what vLLM allocates beside its share while it loads a push of
-    `served_width`-byte weights.
-
-    Gradient checkpointing keeps every layer's input (at the weights' width: embeddings and norms run outside bf16
-    autocast) until backward, which frees them layer by layer while it adds that layer's gradients: the peak holds the
-    larger of the two, plus the layer being recomputed.
-    """
-    lora = shape.adapter > 0
-    trained, width = (shape.adapter, 4) if lora else (shape.params, shape.width)  # PEFT trains float32 adapters
-    shard = ranks if fsdp else 1  # FSDP shards weights, gradients and AdamW state; DDP gives every rank all of them
-    grads, saved = trained * width // shard, row * shape.layers * shape.hidden * shape.width
-    recompute = (RECOMPUTE_FROZEN if lora else RECOMPUTE_FULL) * (shape.hidden + shape.intermediate)
-    parts = {"frozen base": shape.params * shape.width // shard if lora else 0,
-             # torch's AdamW keeps both moments in the weight's dtype
-             f"{'adapters' if lora else 'weights'} + AdamW": 3 * trained * width // shard,
-             "gradients" if grads >= saved else "saved layer inputs": max(grads, saved),
-             # accelerate's DDP copies every gradient into its buckets (gradient_as_bucket_view off)
-             "DDP buckets": grads if ranks > 1 and not fsdp else 0,
-             "layer recomputed": row * (recompute + LORA_INPUT * shape.adapted_inputs),
-             "push staging": max(min(PUSH_STAGING, 2 * shape.params),
-                                 shape.merged * shape.width if lora and backend == "ipc" else 0),
-             "vLLM's push copies": VLLM_PUSH_COPIES * shape.largest * served_width if backend == "ipc" else 0}
-    return {part: n for part, n in parts.items() if n}
-
-
-def longest_fitting_row(shape: TrainerShape, limit: int, ranks: int, fsdp: bool, upto: int, **push: Any) -> int:
-    low, high = 0, upto
-    while low < high:
-        mid = (low + high + 1) // 2
-        fits = sum(trainer_peak(shape, mid, ranks, fsdp, **push).values()) <= limit
-        low, high = (mid, high) if fits else (low, mid - 1)
-    return low
 
 
 def check_trainer_memory(pf: Preflight) -> None:
@@ -2193,15 +2204,6 @@ def check_trainer_memory(pf: Preflight) -> None:
         pf.add(check, PASS, f"{detail}; fits {room}, {gib(limit - need)} to spare{cap}")
 
 
-def vllm_floor(args: argparse.Namespace, shape: TrainerShape, tokens: int) -> int:
-    """Bytes a vLLM serving --model needs at the least: bfloat16 weights, the KV cache of one `tokens`-long sequence and
-    VLLM_BUFFERS."""
-    text = AutoConfig.from_pretrained(args.model).get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_per_token = 2 * shape.layers * getattr(text, "num_key_value_heads", text.num_attention_heads) * head_dim * 2
-    return 2 * shape.params + tokens * kv_per_token + VLLM_BUFFERS
-
-
 def memory_fixes(args: argparse.Namespace, shape: TrainerShape, need: int, limit: int, total: int, row: int,
                  ranks: int, fsdp: bool, utilisation: float | None, **push: Any) -> str:
     """The concrete ways to bring the projection under `limit` with MEMORY_TOLERANCE to spare, each with its
@@ -2231,6 +2233,21 @@ def memory_fixes(args: argparse.Namespace, shape: TrainerShape, need: int, limit
                                    "(slurm/README.md)")
 
 
+def check_credentials(pf: Preflight) -> None:
+    """Before starting our own server: what only this process can see (its environment)."""
+    args = pf.args
+    var = SANDBOX_CREDENTIALS.get(args.sandbox)
+    if var and not os.environ.get(var):
+        pf.sandbox_reachable = pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would "
+                                      "fail to start", f"export {var} before launching (the Harbor server this script "
+                                      "starts inherits it)")
+    elif args.dataset == DEFAULT_DATASET and not os.environ.get("HF_TOKEN"):
+        pf.add("credentials", WARN, "HF_TOKEN is not set: the default suite's tasks fetch their data with it",
+               "export HF_TOKEN")
+    else:
+        pf.add("credentials", PASS, f"{var} set" if var else f"{args.sandbox} needs none that this script knows of")
+
+
 def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
     """--harbor-expose auto: (the server's --expose, why, whether the rule knows). The harness, not the trainer,
     calls the capture proxy, from wherever it runs."""
@@ -2248,21 +2265,6 @@ def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
         return tunnel, f"{', '.join(in_sandbox)} runs inside the {args.sandbox} sandbox, which {where}: {how}", True
     return "direct", (f"{', '.join(in_sandbox)} runs inside the {args.sandbox} sandbox; whether that reaches this "
                       "host's 127.0.0.1 is not known here"), False
-
-
-def check_credentials(pf: Preflight) -> None:
-    """Before starting our own server: what only this process can see (its environment)."""
-    args = pf.args
-    var = SANDBOX_CREDENTIALS.get(args.sandbox)
-    if var and not os.environ.get(var):
-        pf.sandbox_reachable = pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would "
-                                      "fail to start", f"export {var} before launching (the Harbor server this script "
-                                      "starts inherits it)")
-    elif args.dataset == DEFAULT_DATASET and not os.environ.get("HF_TOKEN"):
-        pf.add("credentials", WARN, "HF_TOKEN is not set: the default suite's tasks fetch their data with it",
-               "export HF_TOKEN")
-    else:
-        pf.add("credentials", PASS, f"{var} set" if var else f"{args.sandbox} needs none that this script knows of")
 
 
 def check_capture_url(pf: Preflight) -> None:
@@ -2288,6 +2290,19 @@ def check_capture_url(pf: Preflight) -> None:
 def check_harbor_waits_for_vllm(pf: Preflight) -> None:
     pf.add("Harbor server", SKIP, "not checked: vLLM must answer first (the server samples from it); harness, "
            "sandbox, dataset and task names are checked once it does")
+
+
+def closest_first(name: str, choices: Any) -> list[str]:
+    return difflib.get_close_matches(name, list(choices), n=len(choices), cutoff=0)
+
+
+def harbor_environment_types() -> set[str]:
+    """Sandbox types Harbor itself knows; the server advertises (and credential-checks) only a few of them."""
+    try:
+        from harbor.models.environment_type import EnvironmentType
+    except ImportError:
+        return OFF_HOST_SANDBOXES | {"docker", "podman"}
+    return {t.value for t in EnvironmentType}
 
 
 def check_harbor_server(pf: Preflight) -> None:
@@ -2407,6 +2422,16 @@ def check_dataset(pf: Preflight) -> None:
         return
     pf.add("dataset", PASS, f"{split} ({split_info.get('num_tasks', '?')} tasks)")
     pf.plan["split"] = split
+
+
+def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
+    client = HarborEnv(base_url=harbor_url)
+    try:
+        total = client.num_tasks(split)
+        return [t.model_dump() for start in range(0, total, page)
+                for t in client.get_task_range(split, start, min(start + page, total))]
+    finally:
+        client.close()
 
 
 def check_tasks(pf: Preflight) -> None:
@@ -2567,16 +2592,6 @@ def preflight(pf: Preflight) -> dict[str, Any]:
         if all(getattr(pf, need) for need in check.needs):
             check.run(pf)
     return pf.plan
-
-
-def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
-    client = HarborEnv(base_url=harbor_url)
-    try:
-        total = client.num_tasks(split)
-        return [t.model_dump() for start in range(0, total, page)
-                for t in client.get_task_range(split, start, min(start + page, total))]
-    finally:
-        client.close()
 
 
 def numbered_checkpoints(output_dir: str) -> list[Path]:
