@@ -72,7 +72,8 @@ The sections below, in the order data flows (search for `# --- <name>`):
     Sizing           TrainerShape, checkpoint_disk, trainer_peak: the disk and GPU memory a run needs
     Preflight        PREFLIGHT_CHECKS: one check per row `--check` prints, run before any weights load
     Measure          run_measure (--eval-only, --curate), held_out_eval (--eval-tasks during training)
-    Trainer          HarborRolloutLoop (in TRL's rollout child), RolloutAccounting, HarborGRPOTrainer, build_trainer
+    Trainer          HarborRolloutLoop (in TRL's rollout child), RolloutAccounting, HarborGRPOTrainer (its
+                     checkpoints, and resolve_resume: which one a resume continues), build_trainer
     Main             main: arguments -> preflight -> train(), whose `trainer.train(...)` is the training call
 """
 
@@ -2594,85 +2595,6 @@ def preflight(pf: Preflight) -> dict[str, Any]:
     return pf.plan
 
 
-def numbered_checkpoints(output_dir: str) -> list[Path]:
-    """checkpoint-N dirs, newest first, as transformers rotates them (its get_last_checkpoint gives only the newest)."""
-    return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why a resume from `path` would fail, or None. Only the state files this script reads are checked: every file of
-    a checkpoint-N is complete once it exists (the staged rename, HarborGRPOTrainer._save_checkpoint), so what remains
-    is a path that is no checkpoint of this script, or state files damaged since."""
-    try:
-        int(json.loads((path / "trainer_state.json").read_text())["global_step"])
-        rollout = json.loads((path / "rollout_state.json").read_text())
-        int(rollout["prompt_index"])
-        [int(visit) for visit in rollout.get("pending", [])]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest checkpoint a resume can use; each newer one that is corrupt or partial is skipped with a warning."""
-    for path in numbered_checkpoints(output_dir):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return str(path)
-        print(f"warning: skipping {path}: {problem}; trying the checkpoint before it", file=sys.stderr)
-    return None
-
-
-def resolve_resume(args: argparse.Namespace) -> str | None:
-    if args.resume is None:
-        if numbered_checkpoints(args.output_dir):
-            raise UsageError(f"{args.output_dir} already holds checkpoints of another run; pass --resume to "
-                             "continue it, or a new --run-name / --output-dir")
-        return None
-    if args.resume in ("latest", "auto"):
-        path = latest_checkpoint(args.output_dir)
-        if path is None and numbered_checkpoints(args.output_dir):
-            # Starting over would write over them; a human should look first.
-            raise UsageError(f"--resume: no usable checkpoint in {args.output_dir} (see the warnings above); "
-                             "repair one, or remove them to start over")
-        if path is None and args.resume == "latest":
-            raise UsageError(f"--resume: no checkpoint-N in {args.output_dir}; pass the run's --run-name or "
-                             "--output-dir, or a checkpoint path")
-        return path
-    if problem := checkpoint_problem(Path(args.resume)):
-        raise UsageError(f"--resume {args.resume}: not a usable checkpoint ({problem})")
-    return args.resume
-
-
-def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | None:
-    """A LoRA checkpoint resumed without --use-peft, or full weights with it: transformers would load nothing. Or one
-    of other --lora-* flags: PEFT loads the weights into the adapter the flags built without reading the saved config,
-    so another rank fails on shapes and another alpha silently rescales every push."""
-    saved = Path(checkpoint or "") / "adapter_config.json"
-    if checkpoint is not None and args.use_peft and saved.is_file():
-        config = json.loads(saved.read_text())
-        flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
-        differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
-                  if config.get(key) != value]
-        # PEFT saves the modules it resolved its target_modules to (its default for the architecture, all-linear): so
-        # are the flags' compared. Flags that match no module, or an unreadable --model: check_trainer says so.
-        if model_shape_error(args) is None:
-            with contextlib.suppress(ValueError):
-                ours = set(lora_model(args).peft_config["default"].target_modules)
-                theirs = set(config.get("target_modules") or [])
-                if ours != theirs:  # named by kind: all-linear resolves to every layer's modules by path
-                    saved_on, flags_on = (" ".join(sorted({n.split(".")[-1] for n in names})) for names in (theirs, ours))
-                    differ.append(f"target_modules {saved_on} (flags: {flags_on})")
-        return (f"{checkpoint} holds an adapter of another shape: {', '.join(differ)}; resume with the run's "
-                "--lora-* flags") if differ else None
-    if checkpoint is None or args.use_peft == saved.is_file():
-        return None
-    if args.use_peft:
-        return (f"{checkpoint} holds full weights, not a LoRA adapter: resume it without --use-peft, or start a "
-                "LoRA run in a new --output-dir")
-    return f"{checkpoint} holds a LoRA adapter: resume it with --use-peft (and the run's --lora-* flags)"
-
-
 # --- Measure and curate: pass rates per task, and the tasks that can teach --------------------------------------------
 PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass_rate", "mean_reward", "mean_turns",
                      "mean_wall_s", "errors"]
@@ -3705,6 +3627,87 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
         shutil.rmtree(replaced, ignore_errors=True)
         rotate_checkpoints(str(run_dir), save_total_limit=self.args.save_total_limit, use_mtime=True)
         staging.rmdir()
+
+
+# Which checkpoint a resume continues (the preflight's resume row asks before any weights load), beside the save that
+# writes them: what _save_checkpoint publishes whole is what checkpoint_problem reads.
+def numbered_checkpoints(output_dir: str) -> list[Path]:
+    """checkpoint-N dirs, newest first, as transformers rotates them (its get_last_checkpoint gives only the newest)."""
+    return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a resume from `path` would fail, or None. Only the state files this script reads are checked: every file of
+    a checkpoint-N is complete once it exists (the staged rename, HarborGRPOTrainer._save_checkpoint), so what remains
+    is a path that is no checkpoint of this script, or state files damaged since."""
+    try:
+        int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+        rollout = json.loads((path / "rollout_state.json").read_text())
+        int(rollout["prompt_index"])
+        [int(visit) for visit in rollout.get("pending", [])]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest checkpoint a resume can use; each newer one that is corrupt or partial is skipped with a warning."""
+    for path in numbered_checkpoints(output_dir):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return str(path)
+        print(f"warning: skipping {path}: {problem}; trying the checkpoint before it", file=sys.stderr)
+    return None
+
+
+def resolve_resume(args: argparse.Namespace) -> str | None:
+    if args.resume is None:
+        if numbered_checkpoints(args.output_dir):
+            raise UsageError(f"{args.output_dir} already holds checkpoints of another run; pass --resume to "
+                             "continue it, or a new --run-name / --output-dir")
+        return None
+    if args.resume in ("latest", "auto"):
+        path = latest_checkpoint(args.output_dir)
+        if path is None and numbered_checkpoints(args.output_dir):
+            # Starting over would write over them; a human should look first.
+            raise UsageError(f"--resume: no usable checkpoint in {args.output_dir} (see the warnings above); "
+                             "repair one, or remove them to start over")
+        if path is None and args.resume == "latest":
+            raise UsageError(f"--resume: no checkpoint-N in {args.output_dir}; pass the run's --run-name or "
+                             "--output-dir, or a checkpoint path")
+        return path
+    if problem := checkpoint_problem(Path(args.resume)):
+        raise UsageError(f"--resume {args.resume}: not a usable checkpoint ({problem})")
+    return args.resume
+
+
+def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | None:
+    """A LoRA checkpoint resumed without --use-peft, or full weights with it: transformers would load nothing. Or one
+    of other --lora-* flags: PEFT loads the weights into the adapter the flags built without reading the saved config,
+    so another rank fails on shapes and another alpha silently rescales every push."""
+    saved = Path(checkpoint or "") / "adapter_config.json"
+    if checkpoint is not None and args.use_peft and saved.is_file():
+        config = json.loads(saved.read_text())
+        flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
+        differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
+                  if config.get(key) != value]
+        # PEFT saves the modules it resolved its target_modules to (its default for the architecture, all-linear): so
+        # are the flags' compared. Flags that match no module, or an unreadable --model: check_trainer says so.
+        if model_shape_error(args) is None:
+            with contextlib.suppress(ValueError):
+                ours = set(lora_model(args).peft_config["default"].target_modules)
+                theirs = set(config.get("target_modules") or [])
+                if ours != theirs:  # named by kind: all-linear resolves to every layer's modules by path
+                    saved_on, flags_on = (" ".join(sorted({n.split(".")[-1] for n in names})) for names in (theirs, ours))
+                    differ.append(f"target_modules {saved_on} (flags: {flags_on})")
+        return (f"{checkpoint} holds an adapter of another shape: {', '.join(differ)}; resume with the run's "
+                "--lora-* flags") if differ else None
+    if checkpoint is None or args.use_peft == saved.is_file():
+        return None
+    if args.use_peft:
+        return (f"{checkpoint} holds full weights, not a LoRA adapter: resume it without --use-peft, or start a "
+                "LoRA run in a new --output-dir")
+    return f"{checkpoint} holds a LoRA adapter: resume it with --use-peft (and the run's --lora-* flags)"
 
 
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
