@@ -68,9 +68,11 @@ The sections below, in the order data flows (search for `# --- <name>`):
     Session factory  HarborSessionFactory: one Harbor rollout (harness + sandbox + verifier) per TRL session
     Reward           harbor_reward (a rollout's score), shape_group_rewards (the group's, before TRL's advantages)
     Harbor server    EmbeddedHarborServer: the `openenv harbor serve` this script starts without --harbor-url
-    Preflight        preflight(): every row `--check` prints, run before any weights load
+    Sizing           TrainerShape, checkpoint_disk, trainer_peak: the disk and GPU memory a run needs
+    Preflight        PREFLIGHT_CHECKS: one check per row `--check` prints, run before any weights load
     Measure          run_measure (--eval-only, --curate), held_out_eval (--eval-tasks during training)
-    Trainer          HarborRolloutLoop (in TRL's rollout child), RolloutAccounting, HarborGRPOTrainer, build_trainer
+    Trainer          HarborRolloutLoop (in TRL's rollout child), RolloutAccounting, HarborGRPOTrainer (its
+                     checkpoints, and resolve_resume: which one a resume continues), build_trainer
     Main             main: arguments -> preflight -> train(), whose `trainer.train(...)` is the training call
 """
 
@@ -109,6 +111,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -1253,304 +1256,7 @@ class EmbeddedHarborServer:
             proc.wait()
 
 
-# --- Preflight (`--check`, and every run): refuse a setup that would train on nothing, before loading weights ---------
-PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
-# Where a backend's sandboxes run is said by neither openenv's capabilities nor Harbor's EnvironmentCapabilities.
-# Harbor backends whose sandboxes run off this host: they cannot reach a capture proxy advertised as 127.0.0.1.
-OFF_HOST_SANDBOXES = {"e2b", "modal", "daytona", "runloop", "langsmith", "ec2", "gke", "ack", "openshift", "novita",
-                      "islo", "tensorlake", "cwsandbox", "use-computer", "cua-cloud", "blaxel", "beam", "skypilot",
-                      "hf-sandbox", "hyperbrowser", "vercel", "prime", "mosaic", "sail", "kernel"}
-# Harbor backends on this host whose sandboxes still get their own network namespace: their 127.0.0.1 is not ours.
-OWN_NETWORK_SANDBOXES = {"docker", "podman", "apple-container", "kata"}
-# What each cloud backend reads from the environment of the process that starts it (the Harbor server). The server's
-# capabilities check them all (the `sandbox` row), but only once it is up; openenv's check_sandbox needs harbor here.
-SANDBOX_CREDENTIALS = {"e2b": "E2B_API_KEY", "daytona": "DAYTONA_API_KEY", "runloop": "RUNLOOP_API_KEY"}
-
-
-class Preflight:
-    """One row per check: PASS, WARN (trains, but read this), FAIL (will not train; the fix is on the row) or SKIP."""
-
-    def __init__(self):
-        self.rows: list[tuple[str, str, str, str]] = []
-
-    def add(self, check: str, status: str, detail: str, fix: str = "") -> bool:
-        self.rows.append((check, status, redact(detail), fix))
-        return status != FAIL
-
-    def confirm(self, check: str, how: str) -> None:
-        """A WARN that a later check proved harmless turns PASS, saying how."""
-        self.rows = [(c, PASS, f"{d}; {how}", "") if c == check and s == WARN else (c, s, d, f)
-                     for c, s, d, f in self.rows]
-
-    @property
-    def failures(self) -> list[tuple[str, str, str, str]]:
-        return [row for row in self.rows if row[1] == FAIL]
-
-    def print(self) -> None:
-        width = max(len(row[0]) for row in self.rows)
-        lines = []
-        for check, status, detail, fix in self.rows:
-            first, *more = detail.splitlines() or [""]
-            lines.append(f"  {status}  {check:<{width}}  {first}")
-            lines += [f"        {'':<{width}}  {line}" for line in more]
-            if fix and status in (WARN, FAIL):
-                lines.append(f"        {'':<{width}}  fix: {fix}")
-        print("\npreflight\n" + "\n".join(lines) + "\n", flush=True)
-
-    def error_line(self) -> str:
-        _, _, detail, fix = self.failures[0]
-        more = len(self.failures) - 1
-        return (f"error: {detail.splitlines()[0]}" + (f"; {fix}" if fix else "")
-                + (f" (and {more} more failed check{'s' * (more > 1)} above)" if more else ""))
-
-
-def closest_first(name: str, choices: Any) -> list[str]:
-    return difflib.get_close_matches(name, list(choices), n=len(choices), cutoff=0)
-
-
-def harbor_environment_types() -> set[str]:
-    """Sandbox types Harbor itself knows; the server advertises (and credential-checks) only a few of them."""
-    try:
-        from harbor.models.environment_type import EnvironmentType
-    except ImportError:
-        return OFF_HOST_SANDBOXES | {"docker", "podman"}
-    return {t.value for t in EnvironmentType}
-
-
-def http_json(url: str, timeout: float = 10.0) -> Any:
-    """TRL's VLLMClient reads /v1/models and /server_info too, but with no timeout (a port that accepts and never
-    answers hangs the preflight) and without the served model's id."""
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
-        return json.loads(reply.read())
-
-
-def check_run_dir(args: argparse.Namespace, pf: Preflight) -> tuple[bool, str | None]:
-    out = Path(args.output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as exc:
-        pf.add("output dir", FAIL, f"cannot write to {out} ({exc.strerror})",
-               "give a writable --output-dir (checkpoints and logs go there)")
-        return False, None
-    pf.add("output dir", PASS, str(out))
-    if args.measure:
-        return True, None
-    try:
-        resume = resolve_resume(args)
-    except UsageError as exc:
-        pf.add("resume", FAIL, str(exc))
-        return True, None
-    if mismatch := lora_mismatch(args, resume):
-        pf.add("resume", FAIL, mismatch)
-        return True, None
-    pf.add("resume", PASS, resume or "fresh start")
-    return True, resume
-
-
-def check_engine(args: argparse.Namespace, pf: Preflight) -> dict[str, Any] | None:
-    """vLLM as the trainer needs it: the right model, trainable captures, tool calls, weight sync, enough context."""
-    try:
-        served = http_json(f"{args.vllm_url}/v1/models")["data"][0]
-    except (OSError, ValueError, KeyError, IndexError) as exc:
-        pf.add("vLLM reachable", FAIL, f"vLLM is not reachable at {args.vllm_url} ({exc})",
-               "start it first (the `vllm serve` command in this script's docstring) or fix --vllm-url")
-        return None
-    pf.add("vLLM reachable", PASS, f"{args.vllm_url} serves {served['id']}")
-
-    names = {served["id"], served.get("root") or ""}
-    if args.model in names or Path(args.model.rstrip("/")).name in {Path(n.rstrip("/")).name for n in names if n}:
-        pf.add("served model", PASS, f"--model {args.model} is what vLLM serves")
-    else:
-        pf.add("served model", FAIL, f"vLLM serves {served.get('root') or served['id']} but --model is {args.model}: "
-               "the trainer would push its weights into another model", "serve --model with vLLM, or fix --model")
-
-    # vLLM's resolved config, behind VLLM_SERVER_DEV_MODE like the weight-sync routes: where it answers, it says what
-    # a probe can only infer (TRL reads the served dtype from it too).
-    try:
-        info = http_json(f"{args.vllm_url}/server_info?config_format=json")
-        config, model_config = info["vllm_config"], info["vllm_config"]["model_config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        info, config, model_config = {}, None, {}
-
-    report = validate_llm(args.vllm_url, served["id"], timeout=60.0)
-    check_capture_tier(pf, report, model_config.get("logprobs_mode"))
-    tools = {"ok": (PASS, "a tool call round-trips"),
-             "rejected": (FAIL, "vLLM refuses tool calls, which every agent harness makes"),
-             "no-tool-call": (WARN, "the model answered a tool request in prose"),
-             "unknown": (WARN, "could not tell whether tool calls work")}
-    status, detail = tools.get(report.tool_support, (WARN, "not probed"))
-    pf.add("tool calls", status, detail,
-           "serve with --enable-auto-tool-choice --tool-call-parser <the parser of your model family, hermes for "
-           "Qwen3>")
-
-    if config is None:
-        pf.add("weight transfer", FAIL, "vLLM's dev endpoints are off: the trainer cannot push weights after a step",
-               "restart vLLM with VLLM_SERVER_DEV_MODE=1 in its environment")
-        pf.add("dtype", SKIP, "vLLM's dev endpoints are off, so its dtype cannot be read")
-    else:
-        # The one place the backend is decided: vLLM's own --weight-transfer-config (build_trainer and the
-        # trainer-memory row follow it), with the share of the GPU vLLM sized itself to.
-        transfer = config.get("weight_transfer_config")
-        served["weight_transfer"] = backend = (transfer or {}).get("backend")
-        served["gpu_memory_utilization"] = (config.get("cache_config") or {}).get("gpu_memory_utilization")
-        if not transfer:
-            pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push weights",
-                   "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}'")
-        elif backend == "ipc":
-            check_ipc_engine(args, pf, info.get("vllm_env") or {})
-        elif backend == "nccl":
-            pf.add("weight transfer", PASS, f"enabled ({backend})")
-        else:
-            pf.add("weight transfer", FAIL, f"vLLM's weight transfer backend is {backend!r}: this script pushes over "
-                   "nccl (vLLM on a GPU of its own) or ipc (vLLM on the trainer's GPU)",
-                   "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}' (two GPUs) or "
-                   "'{\"backend\":\"ipc\"}' with --host 127.0.0.1 (one GPU, shared)")
-        served["dtype"] = str(model_config.get("dtype") or "").removeprefix("torch.") or None
-        check_dtype(args, pf, served["dtype"] or "")
-        if args.use_peft and config.get("lora_config"):
-            # TRL would then sync the adapter alone, registered as `trl-policy-vN`, which only its own worker asks
-            # for: the capture proxy asks for the served model, so every rollout would sample the untrained base.
-            pf.add("LoRA", FAIL, "vLLM runs with --enable-lora (its /server_info has a lora_config): TRL would push "
-                   "the adapter under its own names, which the Harbor capture proxy never requests, so every "
-                   "rollout would sample the untrained base model",
-                   "restart vLLM without --enable-lora (and its --max-lora-rank / --max-loras): --use-peft pushes "
-                   "merged weights")
-        elif args.use_peft:
-            pf.add("LoRA", PASS, f"merged sync: every push sends the base weights with the r={args.lora_r} adapter "
-                   "folded in (vLLM runs without --enable-lora)")
-
-    max_len = served.get("max_model_len") or model_config.get("max_model_len")
-    worst = args.agent_step_limit * args.max_completion_length
-    if not max_len:
-        pf.add("context", WARN, "vLLM did not report its max_model_len")
-    elif worst > max_len:
-        pf.add("context", WARN, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} > "
-               f"vLLM's max_model_len {max_len:,}: a rollout that uses its whole budget ends at the context limit",
-               "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
-    else:
-        pf.add("context", PASS, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} "
-               f"fit max_model_len {max_len:,}, with {max_len - worst:,} left for the prompt and command output")
-    served["max_model_len"] = max_len
-    return served
-
-
-def check_ipc_engine(args: argparse.Namespace, pf: Preflight, vllm_env: dict[str, Any]) -> None:
-    """vLLM's ipc backend unpickles every push (its CUDA-IPC handles): it must be allowed to, be reachable from this
-    host alone, and take its pushes from the one trainer process on its GPU."""
-    if vllm_env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") is False:
-        pf.add("weight transfer", FAIL, "vLLM serves the ipc backend without VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
-               "(its /server_info): it would refuse to unpickle the CUDA-IPC handles of every push",
-               "restart vLLM with VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment and "
-               "--host 127.0.0.1")
-    else:
-        pf.add("weight transfer", PASS, "enabled (ipc): weights pushed as CUDA-IPC handles, vLLM on the trainer's GPU")
-    url, port = urllib.parse.urlsplit(args.vllm_url), url_port(args.vllm_url)
-    listening = [address for address, _ in listening_sockets(port)]
-    danger = "with ipc vLLM unpickles every weight push, so whoever reaches it can run code as vLLM's user"
-    if not is_loopback(url.hostname or ""):
-        pf.add("vLLM on loopback", FAIL, f"--vllm-url {args.vllm_url} is not a loopback address: {danger}",
-               f"serve vLLM with --host 127.0.0.1 and give --vllm-url http://127.0.0.1:{port}")
-    elif exposed := [str(a) for a in listening if not a.is_loopback]:
-        pf.add("vLLM on loopback", FAIL, f"vLLM listens on {exposed[0]} port {port}, beyond this host: {danger}",
-               "restart vLLM with --host 127.0.0.1")
-    elif not listening:
-        pf.add("vLLM on loopback", WARN, f"--vllm-url is loopback, but no socket listening on port {port} is visible "
-               "here (another network namespace?): whether vLLM is reachable beyond this host is unknown",
-               "make sure vLLM runs with --host 127.0.0.1")
-    elif job := next((f"{name}={os.environ[name]}" for name in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
-                      if os.environ.get(name)), None):
-        # Loopback keeps other hosts out, not the other users of this one: a scheduler's node runs their jobs too.
-        pf.add("vLLM on loopback", WARN, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
-               f"{port} only, but this host is shared ({job}: a scheduler's node, other users' jobs may run on it) "
-               f"and every local user reaches its loopback: {danger}",
-               "run the job on a node of its own (SLURM: --exclusive), or serve vLLM on a GPU of its own with "
-               "--weight-transfer-config '{\"backend\":\"nccl\"}', which unpickles nothing")
-    else:
-        pf.add("vLLM on loopback", PASS, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
-               f"{port} only")
-    if (ranks := int(os.environ.get("WORLD_SIZE", "1"))) > 1:
-        pf.add("trainer ranks", FAIL, f"{ranks} trainer processes (WORLD_SIZE): vLLM's ipc backend takes each push "
-               "from one process on its GPU",
-               "launch one trainer process (python or uv run, not accelerate launch / torchrun), or serve vLLM on a "
-               "GPU of its own with --weight-transfer-config '{\"backend\":\"nccl\"}'")
-
-
-def url_port(url: str) -> int:
-    parts = urllib.parse.urlsplit(url)
-    return parts.port or (443 if parts.scheme == "https" else 80)
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_capture_tier(pf: Preflight, report: Any, logprobs_mode: str | None) -> None:
-    """Token ids from OpenEnv's probe; processed logprobs from vLLM's own config where it answers, else measured.
-
-    The probe measures logprobs at two temperatures and cannot tell on a near-uniform model (a random or tiny one);
-    vLLM's `--logprobs-mode` in /server_info decides it whatever the model.
-    """
-    fix = "restart vLLM with --logprobs-mode processed_logprobs"
-    if logprobs_mode and logprobs_mode != "processed_logprobs":
-        what = ("pre-temperature logprobs (vLLM's default)" if logprobs_mode == "raw_logprobs"
-                else "logits, not logprobs")
-        pf.add("capture tier", FAIL, f"vLLM's /server_info: logprobs_mode {logprobs_mode}, i.e. {what}: every "
-               "importance ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
-    elif report.logprobs_mode == "raw":  # OpenEnv's probe then grades the engine eval tier whatever vLLM says
-        pf.add("capture tier", FAIL, "the engine returns raw (pre-temperature) logprobs, measured: every importance "
-               "ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
-    elif report.capture_level != "tokens":
-        flags = {"logprobs": "--return-tokens-as-token-ids"}.get(
-            report.capture_level, "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
-        pf.add("capture tier", FAIL, f"the engine's rollouts would be eval tier ({report.capture_level or 'nothing'} "
-               "captured, no token ids): nothing to train on", f"restart vLLM with {flags}")
-    elif logprobs_mode:
-        pf.add("capture tier", PASS, "train: token ids + processed logprobs (vLLM's /server_info: logprobs_mode "
-               "processed_logprobs)")
-    elif report.logprobs_mode == "processed":
-        pf.add("capture tier", PASS, "train: token ids + processed logprobs (measured at two temperatures)")
-    else:
-        pf.add("capture tier", WARN, "train: token ids + logprobs, but whether they are processed (temperature-"
-               "scaled) could not be measured, and vLLM's /server_info (dev mode) did not say",
-               "make sure vLLM runs with --logprobs-mode processed_logprobs")
-
-
-def check_dtype(args: argparse.Namespace, pf: Preflight, served_dtype: str, on_gpu: bool | None = None) -> None:
-    """The precision the trainer scores at against the one vLLM samples at: on a GPU the trainer computes under bf16
-    autocast whatever its weights are (the config's bf16, HarborGRPOConfig; accelerate wraps the forward),
-    elsewhere in its weights' dtype. TRL's own start-up warning compares weight dtypes only."""
-    on_gpu = args.bf16 if on_gpu is None else on_gpu
-    trains = trainer_dtype(args)
-    computes = "bfloat16" if on_gpu else trains
-    weights = f"the trainer's weights are {trains} (--dtype {args.dtype})"
-    if not served_dtype:
-        pf.add("dtype", WARN, "vLLM did not report its dtype")
-    elif computes is None:
-        pf.add("dtype", WARN, f"vLLM serves {served_dtype}; --dtype auto could not be resolved "
-               f"({model_shape_error(args)})")
-    elif served_dtype == computes == trains:
-        pf.add("dtype", PASS, f"vLLM serves {served_dtype}, {weights}")
-    elif served_dtype == computes:
-        # 2 x H200: step-1 importance ratio 1.0004, kl 0.002 (bench/results/2026-12-01-h200.md).
-        pf.add("dtype", PASS, f"vLLM serves bfloat16 and the trainer scores under bfloat16 autocast; {weights}, "
-               "rounded to bfloat16 by each push (TRL's start-up warning about this is expected)")
-    elif on_gpu:
-        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, the trainer scores under bfloat16 autocast on GPU "
-               f"whatever its weights ({trains}): the precision gap shows up in every importance ratio",
-               "serve with vLLM's --dtype bfloat16")
-    else:
-        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, {weights}; TRL warns about this at start too. Each push "
-               "rounds them to the served dtype, and the precision gap between trainer and server shows up in the "
-               "importance ratio",
-               f"serve with vLLM's --dtype {trains} to match, or train in {served_dtype} after reading --dtype's help "
-               "(its risk at small learning rates)")
-
-
+# --- Sizing: the disk and GPU memory a run needs, from --model's config alone -----------------------------------------
 @functools.cache
 def model_shape(model: str) -> tuple[int, str]:
     """(parameters, checkpoint dtype) of --model, from its config alone: no weights are read."""
@@ -1570,20 +1276,6 @@ def lora_model(args: argparse.Namespace):
         warnings.filterwarnings("ignore", message="Model (has|with) `tie_word_embeddings=True`")
         return get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
                               peft_config(args))
-
-
-def tied_lora_targets(model: Any) -> list[str]:
-    """The modules of a PEFT model whose LoRA adapter sits on a weight the model ties to another: its input
-    embeddings and its output head share one tensor, and an adapter on one of them leaves the other at the base."""
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    pair = [m.get_base_layer() if isinstance(m, LoraLayer) else m
-            for m in (base.get_input_embeddings(), base.get_output_embeddings())]
-    if None in pair or pair[0].weight is not pair[1].weight:
-        return []
-    return [name for name, m in base.named_modules() if isinstance(m, LoraLayer)
-            and m.get_base_layer().weight is pair[0].weight]
 
 
 def model_shape_error(args: argparse.Namespace) -> str | None:
@@ -1615,7 +1307,8 @@ class TrainerShape(NamedTuple):
 
 
 def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
-    """From --model's config alone (no weights are read); None when it cannot be read or --dtype auto resolved."""
+    """From --model's config alone (no weights are read); None when it cannot be read, --dtype auto resolved, or
+    --lora-target-modules names no module of it (the LoRA targets row)."""
     dtype = trainer_dtype(args)
     if dtype is None or model_shape_error(args) is not None:
         return None
@@ -1625,7 +1318,10 @@ def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
     if args.use_peft:
         from peft.tuners.lora import LoraLayer
 
-        model = lora_model(args)
+        try:
+            model = lora_model(args)
+        except ValueError:  # PEFT's NoMatchingPeftModuleError
+            return None
         adapter = model.get_nb_trainable_parameters()[0]
         layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
         adapted = sum(m.in_features for m in layers) // text.num_hidden_layers
@@ -1636,274 +1332,23 @@ def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
                         text.hidden_size * max(text.vocab_size, intermediate))
 
 
-def check_trainer(args: argparse.Namespace, pf: Preflight, writable: bool,
-                  backend: str | None = None) -> dict[str, Any]:
-    """What only the trainer's own machine can tell, before any weights load."""
-    facts: dict[str, Any] = {}
-    dtype = trainer_dtype(args)
-    lora = None
-    if args.use_peft and model_shape_error(args) is None:
-        try:
-            lora = lora_model(args)
-        except ValueError as exc:  # PEFT's NoMatchingPeftModuleError
-            pf.add("LoRA targets", FAIL, f"--lora-target-modules: {exc}", "name modules of --model, or all-linear")
-    if lora is not None and (tied := tied_lora_targets(lora)):
-        pf.add("LoRA targets", FAIL, f"--lora-target-modules {' '.join(args.lora_target_modules or [])} puts an "
-               f"adapter on {', '.join(tied)}, whose weight {args.model} ties between its input embeddings and its "
-               "output head: the adapter would change one of the two only, and the merged push both",
-               "leave embed_tokens and lm_head out of --lora-target-modules (all-linear does), or train without "
-               "--use-peft")
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and dtype not in (None, "float32"):
-        # accelerate's FSDP2 prepare upcasts trainable parameters to float32 after TRL has told vLLM their dtype,
-        # so every push would send other bytes than vLLM expects (fsdp_utils: "Upcast to fp32 master weights").
-        pf.add("precision", FAIL, f"--dtype {args.dtype} under FSDP: accelerate upcasts the weights to float32 "
-               f"after TRL announced them to vLLM as {dtype}, so weight pushes would not match",
-               "--dtype float32 (FSDP keeps float32 weights anyway and computes in bf16)")
-    elif os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and args.use_peft:
-        # The merged push folds the adapter in per layer from local tensors (HarborGRPOTrainer._streaming_iter).
-        pf.add("precision", FAIL, "--use-peft under FSDP: this script's merged push reads whole adapter tensors, "
-               "which FSDP shards", "train LoRA on one trainer process (docs/capacity.md, LoRA), or without FSDP")
-    elif args.use_peft and dtype is not None:
-        # The trained tensors are the adapters, float32 whatever --dtype (PEFT's autocast_adapter_dtype).
-        half_step = 2.0 ** math.floor(math.log2(0.02)) * torch.finfo(torch.float32).eps / 2
-        pf.add("precision", PASS if args.learning_rate >= half_step else WARN,
-               f"LoRA: base weights {dtype}, frozen; adapters and their AdamW moments float32 (steps of "
-               f"~{args.learning_rate:g} land); each push rounds the folded-in base once to {dtype}, never the "
-               "trainer's copy")
-    elif dtype in ("bfloat16", "float16", "float32"):
-        # An AdamW step moves a weight by about the learning rate. Below half the dtype's spacing at a typical
-        # weight (0.02, Qwen3's initializer range) the sum rounds back to the old weight: no update at all.
-        typical = 0.02
-        half_step = 2.0 ** math.floor(math.log2(typical)) * torch.finfo(getattr(torch, dtype)).eps / 2
-        if args.learning_rate < half_step:
-            pf.add("precision", WARN, f"{dtype} weights: an AdamW step moves a weight by ~--learning-rate "
-                   f"{args.learning_rate:g}, below half the {dtype} spacing at |w| = {typical} ({half_step:.1e}): "
-                   "most updates round to no change and the run silently stops learning",
-                   f"--dtype float32 (docs/capacity.md), or a learning rate well above {half_step:.0e}")
-        else:
-            pf.add("precision", PASS, f"{dtype} weights: AdamW steps of ~{args.learning_rate:g} exceed half the "
-                   f"{dtype} spacing at |w| = {typical} ({half_step:.1e})")
-    # A --lora-target-modules that PEFT cannot resolve has its row above and no shape to size.
-    facts["trainer_shape"] = shape = None if args.use_peft and lora is None else trainer_shape(args)
-    if (problem := model_shape_error(args)) is not None:
-        pf.add("checkpoints", SKIP, f"size unknown: {problem}")
-    elif writable and shape is not None:
-        params, width = shape.params, shape.width
-        kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
-        free = shutil.disk_usage(args.output_dir).free
-        written = f"{kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written"
-        if args.use_peft:
-            # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
-            facts["checkpoint_bytes"] = size = shape.adapter * 4 * 3
-            merged = params * width  # <output dir>/merged, written once at the end
-            peak = (kept + 1) * size + merged
-            detail = (f"~{human_bytes(size)} each ({shape.adapter / 1e6:.2f} M adapter params x 12 B: float32 adapter "
-                      f"+ 2 AdamW moments); {written}, and the merged model at the end ({human_bytes(merged)}) = "
-                      f"{human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
-        else:
-            # transformers saves the weights and torch's AdamW state (two moments) in the weights' dtype.
-            facts["checkpoint_bytes"] = size = params * width * 3
-            peak = (kept + 1) * size  # the oldest goes only once the newest is complete
-            count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
-            detail = (f"~{human_bytes(size)} each ({count} params x {3 * width} B: {dtype} weights + 2 AdamW "
-                      f"moments); {written} = {human_bytes(peak)}; {human_bytes(free)} free in {args.output_dir}")
-        pf.add("checkpoints", WARN if free < peak else PASS, detail,
-               "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
-    check_trainer_gpus(pf, backend, args.vllm_url)
-    return facts
+class CheckpointDisk(NamedTuple):
+    """Bytes a run writes into --output-dir: its checkpoints while it trains, the merged model (LoRA) at the end."""
+    each: int  # one checkpoint-N
+    kept: int  # how many the rotation keeps (--save-total-limit)
+    merged: int  # <output dir>/merged, written once at the end; 0 for a full fine-tune
+    peak: int  # the most the output dir holds at once
 
 
-def human_bytes(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
-
-
-def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
-    """GPU uuid -> [(pid, command line, GiB)] of the compute processes nvidia-smi lists; None when it cannot."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory,process_name",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
-                             check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    apps: dict[str, list[tuple[int, str, float]]] = {}
-    for line in out.splitlines():
-        uuid, pid, mib, name = ([*(x.strip() for x in line.split(",", 3))] + ["", "", "", ""])[:4]
-        if not pid.isdigit():
-            continue
-        # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_*; nvidia-smi may show only `python`.
-        with contextlib.suppress(OSError):
-            name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") or name
-        apps.setdefault(uuid.lower().removeprefix("gpu-"), []).append(
-            (int(pid), name, float(mib) / 1024 if mib.replace(".", "").isdigit() else 0.0))
-    return apps
-
-
-def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, str]]:
-    """(address, socket inode) of every TCP socket listening on `port` in this network namespace."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                fields = line.split()
-                address, hex_port = fields[1].split(":")
-                if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: TCP_LISTEN
-                    raw = bytes.fromhex(address)  # 32-bit words, each in the kernel's (little-endian) byte order
-                    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
-                    found.append((getattr(ip, "ipv4_mapped", None) or ip, fields[9]))
-    return found
-
-
-def serving_processes(port: int) -> set[int]:
-    """The processes holding a socket listening on `port`, and all their descendants: vLLM's API server holds the
-    port, its engine core (the process on the GPU) is a child of it."""
-    inodes = {f"socket:[{inode}]" for _, inode in listening_sockets(port)}
-    parents, tree = {}, set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile, or another user's
-            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
-                tree.add(int(proc.name))
-    while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
-        tree |= grown
-    return tree
-
-
-def check_same_gpu(pf: Preflight, apps: dict[str, list[tuple[int, str, float]]] | None, vllm_url: str) -> None:
-    """CUDA IPC maps memory of one physical GPU: vLLM must run on the trainer's own, by UUID (indices differ with
-    CUDA_VISIBLE_DEVICES)."""
-    props = torch.cuda.get_device_properties(0)
-    mine = str(props.uuid).lower().removeprefix("gpu-")
-    fix = "start this script with vLLM's GPU visible first: CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>"
-    if apps is None:
-        pf.add("same GPU", WARN, "nvidia-smi is unavailable, so which GPU vLLM runs on is unknown: a push from "
-               "another GPU fails at the first step", fix)
-        return
-    mig = (mine.startswith("mig-") or " MIG " in f" {props.name} "
-           or os.environ.get("CUDA_VISIBLE_DEVICES", "").upper().startswith("MIG-"))
-    if mig or any(uuid.startswith("mig-") for uuid in apps):
-        # A MIG instance's UUID is not its parent GPU's, and nvidia-smi lists processes by either: no comparison
-        # of the two tells whether vLLM shares the trainer's instance.
-        pf.add("same GPU", WARN, f"cuda:0 ({props.name}) is a MIG instance ({str(props.uuid)}): whether vLLM runs "
-               "on the same GPU instance could not be verified; a push from another fails at the first step",
-               "start vLLM and this script with the same CUDA_VISIBLE_DEVICES=MIG-<UUID, nvidia-smi -L>")
-        return
-    port = url_port(vllm_url)
-    server = serving_processes(port) - {os.getpid()}
-    how = f"the processes serving port {port}"
-    vllm = {uuid: [a for a in procs if a[0] in server] for uuid, procs in apps.items()}
-    if not any(vllm.values()):  # its processes unseen here (another user's, another PID namespace): by name
-        how = "the processes named vllm"
-        vllm = {uuid: [a for a in procs if "vllm" in a[1].lower() and a[0] != os.getpid()]
-                for uuid, procs in apps.items()}
-    vllm = {uuid: procs for uuid, procs in vllm.items() if procs}
-    if mine in vllm:
-        pf.add("same GPU", PASS, f"cuda:0 ({props.name}, GPU-{mine}) is vLLM's GPU ({how}: pid {vllm[mine][0][0]})")
-    elif vllm:
-        theirs = next(iter(vllm))
-        pf.add("same GPU", FAIL, f"vLLM runs on GPU-{theirs} ({how}: pid {vllm[theirs][0][0]}), the trainer on "
-               f"cuda:0 = GPU-{mine}: CUDA IPC reaches only the same physical GPU",
-               f"start this script with CUDA_VISIBLE_DEVICES=GPU-{theirs}")
+def checkpoint_disk(args: argparse.Namespace, shape: TrainerShape) -> CheckpointDisk:
+    kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
+    if args.use_peft:
+        # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
+        each, merged = shape.adapter * 4 * 3, shape.params * shape.width
     else:
-        pf.add("same GPU", WARN, "no process of vLLM's shows on any GPU here (nvidia-smi), so whether it runs on "
-               f"cuda:0 (GPU-{mine}) is unknown: a push from another GPU fails at the first step", fix)
-
-
-def check_trainer_gpus(pf: Preflight, backend: str | None = None, vllm_url: str = "") -> None:
-    if not torch.cuda.is_available():
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
-
-        # What a push hands vLLM: from a CPU trainer torch shares no CUDA memory (CPU tests stand in for it here).
-        if backend == "ipc" and reduce_tensor(torch.zeros(1))[0] is not rebuild_cuda_tensor:
-            pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer (torch {torch.__version__}, "
-                   f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}), but vLLM serves the "
-                   "ipc backend: CUDA IPC cannot push weights from a CPU trainer",
-                   "run this script on vLLM's GPU (CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>) with a CUDA "
-                   "build of torch (`uv run` installs it from this script's header)")
-            pf.add("same GPU", SKIP, "not compared: the trainer has no CUDA device (the trainer GPU row)")
-        else:
-            pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
-            if backend == "ipc":
-                pf.add("same GPU", SKIP, "no CUDA device visible: CUDA IPC needs the trainer on vLLM's GPU")
-        pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
-               "(kernels-community/flash-attn3), which has no CPU build")
-        return
-    fix = ("give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, CUDA_VISIBLE_DEVICES=1 "
-           "for this script (NCCL refuses two ranks on one device)")
-    apps = gpu_processes()
-    # The trainer's ranks on this node take the first visible GPUs, one each.
-    local = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()) if apps is not None else 0
-    held, shared, free = [], [], []
-    for index in range(local):
-        props = torch.cuda.get_device_properties(index)
-        label = f"cuda:{index} ({props.name})"
-        others = [a for a in apps.get(str(props.uuid).lower().removeprefix("gpu-"), []) if a[0] != os.getpid()]
-        vllm = [a for a in others if "vllm" in a[1].lower()]
-        if vllm:
-            held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
-        elif others:
-            shared.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
-        else:
-            free.append(label)
-    if backend == "ipc":
-        pf.add("trainer GPU", PASS, f"{'; '.join(held + shared) or ', '.join(free) or 'cuda:0'}: shared with vLLM on "
-               "purpose (the ipc backend pushes weights within one card)")
-        check_same_gpu(pf, apps, vllm_url)
-    elif held:
-        pf.add("trainer GPU", FAIL, "; ".join(held), fix)
-    elif apps is None:
-        # No nvidia-smi (or none that answers): memory is all that can be seen, and only for rank 0's own GPU.
-        free_b, total_b = torch.cuda.mem_get_info(0)
-        pf.add("trainer GPU", WARN if (total_b - free_b) / total_b > 0.25 else PASS,
-               f"cuda:0: {(total_b - free_b) / 2**30:.1f} of {total_b / 2**30:.0f} GiB already in use (nvidia-smi "
-               "unavailable, so who holds it is unknown)", fix)
-    elif shared:
-        pf.add("trainer GPU", WARN, "; ".join(shared) + "; the trainer needs the whole card", fix)
-    else:
-        pf.add("trainer GPU", PASS, f"{', '.join(free)}: no other process on it")
-    check_attention_kernel(pf)
-
-
-def check_attention_kernel(pf: Preflight) -> None:
-    """TRL's own kernel loader, now: the hub download and the GPU check take seconds here, not a failed first step
-    after weights, the first weight push and the first paid sandbox group. TRL caches the module it returns."""
-    repo = "kernels-community/aiter-flash-attn (version 2)" if torch.version.hip else \
-        "kernels-community/flash-attn3 (version 1)"
-    props = torch.cuda.get_device_properties(0)
-    gpu = f"{props.name} (compute capability {props.major}.{props.minor}), torch {torch.__version__}"
-    gpu_fix = ("TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
-              "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
-    try:
-        # private: TRL's own kernel loader, which caches what it loads; no public call loads it
-        kernel = packing._flash_attn()
-    except ImportError as exc:
-        pf.add("attention kernel", FAIL, f"TRL's tree attention imports `kernels`: {exc}",
-               "install it: pip install 'kernels>=0.17.2,<0.19' (`uv run` installs it from this script's header)")
-        return
-    except Exception as exc:  # noqa: BLE001 - classified below; the message is the library's
-        message = redact(f"{type(exc).__name__}: {exc}")[:600]
-        offline = (os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
-                   or re.search(r"offline|connect|resolve|timed? ?out|local snapshot|cached", message, re.I))
-        if offline:
-            pf.add("attention kernel", FAIL, f"{repo} could not be fetched from the hub: {message}",
-                   "pre-fetch it into a hub cache on a machine with internet and the same torch and CUDA: "
-                   "HF_HOME=/shared/hf python -c \"from kernels import get_kernel; "
-                   "get_kernel('kernels-community/flash-attn3', version=1)\"; then train with HF_HOME=/shared/hf "
-                   "HF_HUB_OFFLINE=1")
-        else:
-            pf.add("attention kernel", FAIL, f"{repo} has no build for this GPU and torch: {gpu}: {message}", gpu_fix)
-        return
-    try:  # one tiny causal call: a build that loads can still refuse this GPU when it runs
-        q = torch.randn(8, 2, 64, device="cuda:0", dtype=torch.bfloat16)
-        cu = torch.tensor([0, 8], device="cuda:0", dtype=torch.int32)
-        kernel.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, causal=True)
-        torch.cuda.synchronize(0)
-    except Exception as exc:  # noqa: BLE001
-        pf.add("attention kernel", FAIL, f"{repo} loaded but cannot run on {gpu}: {type(exc).__name__}: {exc}"[:700],
-               gpu_fix)
-        return
-    pf.add("attention kernel", PASS, f"{repo} loaded and ran on {gpu}")
+        # transformers saves the weights and torch's AdamW state (two moments) in the weights' dtype.
+        each, merged = shape.params * shape.width * 3, 0
+    return CheckpointDisk(each, kept, merged, (kept + 1) * each + merged)  # the oldest goes once the newest is whole
 
 
 # The trainer's peak memory per token of a packed row, beyond the layer inputs gradient checkpointing keeps, fitted to
@@ -1937,18 +1382,6 @@ def dtype_bytes(name: str) -> int:
     """Bytes per element of a torch dtype by name ("bfloat16"); 2 where torch has no such dtype."""
     dtype = getattr(torch, name, None)
     return dtype.itemsize if isinstance(dtype, torch.dtype) else 2
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:,.1f} MiB"
-
-
-def gpu_memory() -> tuple[int, int] | None:
-    """(free, total) bytes on the trainer's GPU (rank 0's cuda:0) as the driver reports them; None without one."""
-    try:
-        return torch.cuda.mem_get_info(0)
-    except (AssertionError, RuntimeError):  # torch built without CUDA asserts; with CUDA but no device it raises
-        return None
 
 
 def longest_row(args: argparse.Namespace, max_model_len: int | None) -> int | None:
@@ -1999,9 +1432,716 @@ def longest_fitting_row(shape: TrainerShape, limit: int, ranks: int, fsdp: bool,
     return low
 
 
-def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: TrainerShape | None,
-                         served: dict[str, Any] | None,
-                         engine: tuple[str | None, float | None] | None = None) -> dict[str, Any]:
+def vllm_floor(args: argparse.Namespace, shape: TrainerShape, tokens: int) -> int:
+    """Bytes a vLLM serving --model needs at the least: bfloat16 weights, the KV cache of one `tokens`-long sequence and
+    VLLM_BUFFERS."""
+    text = AutoConfig.from_pretrained(args.model).get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_per_token = 2 * shape.layers * getattr(text, "num_key_value_heads", text.num_attention_heads) * head_dim * 2
+    return 2 * shape.params + tokens * kv_per_token + VLLM_BUFFERS
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:,.1f} MiB"
+
+
+def human_bytes(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+# --- Preflight (`--check`, and every run): refuse a setup that would train on nothing, before loading weights ---------
+PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
+# Where a backend's sandboxes run is said by neither openenv's capabilities nor Harbor's EnvironmentCapabilities.
+# Harbor backends whose sandboxes run off this host: they cannot reach a capture proxy advertised as 127.0.0.1.
+OFF_HOST_SANDBOXES = {"e2b", "modal", "daytona", "runloop", "langsmith", "ec2", "gke", "ack", "openshift", "novita",
+                      "islo", "tensorlake", "cwsandbox", "use-computer", "cua-cloud", "blaxel", "beam", "skypilot",
+                      "hf-sandbox", "hyperbrowser", "vercel", "prime", "mosaic", "sail", "kernel"}
+# Harbor backends on this host whose sandboxes still get their own network namespace: their 127.0.0.1 is not ours.
+OWN_NETWORK_SANDBOXES = {"docker", "podman", "apple-container", "kata"}
+# What each cloud backend reads from the environment of the process that starts it (the Harbor server). The server's
+# capabilities check them all (the `sandbox` row), but only once it is up; openenv's check_sandbox needs harbor here.
+SANDBOX_CREDENTIALS = {"e2b": "E2B_API_KEY", "daytona": "DAYTONA_API_KEY", "runloop": "RUNLOOP_API_KEY"}
+
+
+class Preflight:
+    """The table `--check` prints, one row per check: PASS, WARN (trains, but read this), FAIL (will not train; the fix
+    is on the row) or SKIP. It also holds what the checks have found so far, which the checks after them read
+    (PREFLIGHT_CHECKS runs them in order) and training takes on (the plan)."""
+
+    def __init__(self, args: argparse.Namespace, server: EmbeddedHarborServer | None = None):
+        self.args, self.server = args, server
+        self.rows: list[tuple[str, str, str, str]] = []
+        self.plan: dict[str, Any] = {"resume": None}  # what training takes from the preflight; rank 0 sends it on
+        self.writable = False  # --output-dir takes files
+        self.task_spec_read = False  # --tasks parses, before any server is asked for its tasks
+        self.sandbox_reachable = True  # credentials and capture URL, as far as this process can tell
+        self.served: dict[str, Any] | None = None  # vLLM's model, as it reports it and itself (check_vllm_reachable)
+        self.vllm_config: dict[str, Any] | None = None  # its resolved config (/server_info: dev mode only)
+        self.vllm_env: dict[str, Any] = {}  # its environment as /server_info reports it
+        self.llm_report: Any = None  # OpenEnv's probe of vLLM (validate_llm)
+        self.gpu_apps: dict[str, list[tuple[int, str, float]]] | None = None  # nvidia-smi's processes by GPU
+        self.capabilities: dict[str, Any] | None = None  # the Harbor server's, once it answers
+        self.splits: list[dict[str, Any]] = []  # the splits it serves
+
+    def add(self, check: str, status: str, detail: str, fix: str = "") -> bool:
+        self.rows.append((check, status, redact(detail), fix))
+        return status != FAIL
+
+    def confirm(self, check: str, how: str) -> None:
+        """A WARN that a later check proved harmless turns PASS, saying how."""
+        self.rows = [(c, PASS, f"{d}; {how}", "") if c == check and s == WARN else (c, s, d, f)
+                     for c, s, d, f in self.rows]
+
+    @property
+    def failures(self) -> list[tuple[str, str, str, str]]:
+        return [row for row in self.rows if row[1] == FAIL]
+
+    def print(self) -> None:
+        width = max(len(row[0]) for row in self.rows)
+        lines = []
+        for check, status, detail, fix in self.rows:
+            first, *more = detail.splitlines() or [""]
+            lines.append(f"  {status}  {check:<{width}}  {first}")
+            lines += [f"        {'':<{width}}  {line}" for line in more]
+            if fix and status in (WARN, FAIL):
+                lines.append(f"        {'':<{width}}  fix: {fix}")
+        print("\npreflight\n" + "\n".join(lines) + "\n", flush=True)
+
+    def error_line(self) -> str:
+        _, _, detail, fix = self.failures[0]
+        more = len(self.failures) - 1
+        return (f"error: {detail.splitlines()[0]}" + (f"; {fix}" if fix else "")
+                + (f" (and {more} more failed check{'s' * (more > 1)} above)" if more else ""))
+
+    @functools.cached_property
+    def shape(self) -> TrainerShape | None:
+        """What the trainer will hold, sized from --model's config (the checkpoints and trainer memory rows)."""
+        return trainer_shape(self.args)
+
+    # What a PreflightCheck's `needs` names: a check runs only where each of its needs holds.
+    @property
+    def training(self) -> bool:
+        return not self.args.measure
+
+    @property
+    def measuring(self) -> bool:
+        return self.args.measure
+
+    @property
+    def peft(self) -> bool:
+        return self.args.use_peft
+
+    @property
+    def vllm_answers(self) -> bool:
+        return self.served is not None
+
+    @property
+    def vllm_dev_mode(self) -> bool:
+        return self.vllm_config is not None
+
+    @property
+    def ipc(self) -> bool:
+        """vLLM shares the trainer's GPU and takes its pushes as CUDA-IPC handles."""
+        return (self.served or {}).get("weight_transfer") == "ipc"
+
+    @property
+    def own_server(self) -> bool:
+        return self.server is not None
+
+    @property
+    def vllm_down(self) -> bool:
+        return self.training and self.served is None
+
+    @property
+    def ready_for_harbor(self) -> bool:
+        """What the Harbor server's checks build on: it samples from vLLM (measuring: from its own engine), writes its
+        log into --output-dir, starts the sandboxes and serves --tasks."""
+        return ((self.measuring or self.vllm_answers) and self.writable and self.sandbox_reachable
+                and self.task_spec_read)
+
+    @property
+    def harbor_answers(self) -> bool:
+        return self.capabilities is not None
+
+    @property
+    def split_served(self) -> bool:
+        return "split" in self.plan
+
+    @property
+    def tasks_found(self) -> bool:
+        return "tasks" in self.plan
+
+    @property
+    def eval_tasks_given(self) -> bool:
+        return bool(self.args.eval_tasks) and self.training
+
+
+def check_output_dir(pf: Preflight) -> None:
+    out = Path(pf.args.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        pf.add("output dir", FAIL, f"cannot write to {out} ({exc.strerror})",
+               "give a writable --output-dir (checkpoints and logs go there)")
+        return
+    pf.writable = pf.add("output dir", PASS, str(out))
+
+
+def check_resume(pf: Preflight) -> None:
+    try:
+        resume = resolve_resume(pf.args)
+    except UsageError as exc:
+        pf.add("resume", FAIL, str(exc))
+        return
+    if mismatch := lora_mismatch(pf.args, resume):
+        pf.add("resume", FAIL, mismatch)
+        return
+    pf.add("resume", PASS, resume or "fresh start")
+    pf.plan["resume"] = resume
+
+
+def check_task_spec(pf: Preflight) -> None:
+    """The --tasks file or spec alone; which of its tasks the server serves is the later tasks row."""
+    try:
+        read_task_spec(pf.args.tasks)
+    except UsageError as exc:
+        pf.add("tasks", FAIL, str(exc))
+        return
+    pf.task_spec_read = True
+
+
+def check_measure(pf: Preflight) -> None:
+    # Measuring samples through the Harbor server's own engine and loads no weights: the trainer's vLLM, its weight
+    # sync and its capture tier do not matter.
+    pf.add("measure", PASS, f"{pf.args.eval_k} rollouts per task, {pf.args.max_inflight} in flight; no trainer")
+
+
+def check_grpo(pf: Preflight) -> None:
+    pf.add("GRPO", PASS, f"{pf.args.num_generations} generations per group, {pf.args.max_inflight} rollouts in flight")
+
+
+def http_json(url: str, timeout: float = 10.0) -> Any:
+    """TRL's VLLMClient reads /v1/models and /server_info too, but with no timeout (a port that accepts and never
+    answers hangs the preflight) and without the served model's id."""
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def check_vllm_reachable(pf: Preflight) -> None:
+    """What vLLM serves and says of itself, asked once: the rows after this one judge it."""
+    args = pf.args
+    try:
+        served = http_json(f"{args.vllm_url}/v1/models")["data"][0]
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        pf.add("vLLM reachable", FAIL, f"vLLM is not reachable at {args.vllm_url} ({exc})",
+               "start it first (the `vllm serve` command in this script's docstring) or fix --vllm-url")
+        return
+    pf.add("vLLM reachable", PASS, f"{args.vllm_url} serves {served['id']}")
+    # vLLM's resolved config, behind VLLM_SERVER_DEV_MODE like the weight-sync routes: where it answers, it says what
+    # a probe can only infer (TRL reads the served dtype from it too).
+    try:
+        info = http_json(f"{args.vllm_url}/server_info?config_format=json")
+        config, model_config = info["vllm_config"], info["vllm_config"]["model_config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        info, config, model_config = {}, None, {}
+    pf.vllm_config, pf.vllm_env = config, info.get("vllm_env") or {}
+    # The one place the backend is decided: vLLM's own --weight-transfer-config (build_trainer and the trainer-memory
+    # row follow it), with the share of the GPU vLLM sized itself to.
+    served["weight_transfer"] = ((config or {}).get("weight_transfer_config") or {}).get("backend")
+    served["gpu_memory_utilization"] = ((config or {}).get("cache_config") or {}).get("gpu_memory_utilization")
+    served["dtype"] = str(model_config.get("dtype") or "").removeprefix("torch.") or None
+    served["max_model_len"] = served.get("max_model_len") or model_config.get("max_model_len")
+    served["logprobs_mode"] = model_config.get("logprobs_mode")
+    pf.served = served
+    pf.plan["max_model_len"], pf.plan["weight_transfer"] = served["max_model_len"], served["weight_transfer"]
+    pf.llm_report = validate_llm(args.vllm_url, served["id"], timeout=60.0)
+
+
+def check_served_model(pf: Preflight) -> None:
+    args, served = pf.args, pf.served
+    names = {served["id"], served.get("root") or ""}
+    if args.model in names or Path(args.model.rstrip("/")).name in {Path(n.rstrip("/")).name for n in names if n}:
+        pf.add("served model", PASS, f"--model {args.model} is what vLLM serves")
+    else:
+        pf.add("served model", FAIL, f"vLLM serves {served.get('root') or served['id']} but --model is {args.model}: "
+               "the trainer would push its weights into another model", "serve --model with vLLM, or fix --model")
+
+
+def check_capture_tier(pf: Preflight) -> None:
+    """Token ids from OpenEnv's probe; processed logprobs from vLLM's own config where it answers, else measured.
+
+    The probe measures logprobs at two temperatures and cannot tell on a near-uniform model (a random or tiny one);
+    vLLM's `--logprobs-mode` in /server_info decides it whatever the model.
+    """
+    report, logprobs_mode = pf.llm_report, pf.served["logprobs_mode"]
+    fix = "restart vLLM with --logprobs-mode processed_logprobs"
+    if logprobs_mode and logprobs_mode != "processed_logprobs":
+        what = ("pre-temperature logprobs (vLLM's default)" if logprobs_mode == "raw_logprobs"
+                else "logits, not logprobs")
+        pf.add("capture tier", FAIL, f"vLLM's /server_info: logprobs_mode {logprobs_mode}, i.e. {what}: every "
+               "importance ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
+    elif report.logprobs_mode == "raw":  # OpenEnv's probe then grades the engine eval tier whatever vLLM says
+        pf.add("capture tier", FAIL, "the engine returns raw (pre-temperature) logprobs, measured: every importance "
+               "ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
+    elif report.capture_level != "tokens":
+        flags = {"logprobs": "--return-tokens-as-token-ids"}.get(
+            report.capture_level, "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
+        pf.add("capture tier", FAIL, f"the engine's rollouts would be eval tier ({report.capture_level or 'nothing'} "
+               "captured, no token ids): nothing to train on", f"restart vLLM with {flags}")
+    elif logprobs_mode:
+        pf.add("capture tier", PASS, "train: token ids + processed logprobs (vLLM's /server_info: logprobs_mode "
+               "processed_logprobs)")
+    elif report.logprobs_mode == "processed":
+        pf.add("capture tier", PASS, "train: token ids + processed logprobs (measured at two temperatures)")
+    else:
+        pf.add("capture tier", WARN, "train: token ids + logprobs, but whether they are processed (temperature-"
+               "scaled) could not be measured, and vLLM's /server_info (dev mode) did not say",
+               "make sure vLLM runs with --logprobs-mode processed_logprobs")
+
+
+def check_tool_calls(pf: Preflight) -> None:
+    tools = {"ok": (PASS, "a tool call round-trips"),
+             "rejected": (FAIL, "vLLM refuses tool calls, which every agent harness makes"),
+             "no-tool-call": (WARN, "the model answered a tool request in prose"),
+             "unknown": (WARN, "could not tell whether tool calls work")}
+    status, detail = tools.get(pf.llm_report.tool_support, (WARN, "not probed"))
+    pf.add("tool calls", status, detail,
+           "serve with --enable-auto-tool-choice --tool-call-parser <the parser of your model family, hermes for "
+           "Qwen3>")
+
+
+def check_weight_transfer(pf: Preflight) -> None:
+    if pf.vllm_config is None:
+        pf.add("weight transfer", FAIL, "vLLM's dev endpoints are off: the trainer cannot push weights after a step",
+               "restart vLLM with VLLM_SERVER_DEV_MODE=1 in its environment")
+        return
+    backend = pf.served["weight_transfer"]
+    if not pf.vllm_config.get("weight_transfer_config"):
+        pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push weights",
+               "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}'")
+    elif backend == "ipc" and pf.vllm_env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") is False:
+        # vLLM's ipc backend unpickles every push (its CUDA-IPC handles): it must be allowed to.
+        pf.add("weight transfer", FAIL, "vLLM serves the ipc backend without VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
+               "(its /server_info): it would refuse to unpickle the CUDA-IPC handles of every push",
+               "restart vLLM with VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment and "
+               "--host 127.0.0.1")
+    elif backend == "ipc":
+        pf.add("weight transfer", PASS, "enabled (ipc): weights pushed as CUDA-IPC handles, vLLM on the trainer's GPU")
+    elif backend == "nccl":
+        pf.add("weight transfer", PASS, f"enabled ({backend})")
+    else:
+        pf.add("weight transfer", FAIL, f"vLLM's weight transfer backend is {backend!r}: this script pushes over "
+               "nccl (vLLM on a GPU of its own) or ipc (vLLM on the trainer's GPU)",
+               "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}' (two GPUs) or "
+               "'{\"backend\":\"ipc\"}' with --host 127.0.0.1 (one GPU, shared)")
+
+
+def url_port(url: str) -> int:
+    parts = urllib.parse.urlsplit(url)
+    return parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, str]]:
+    """(address, socket inode) of every TCP socket listening on `port` in this network namespace."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                address, hex_port = fields[1].split(":")
+                if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: TCP_LISTEN
+                    raw = bytes.fromhex(address)  # 32-bit words, each in the kernel's (little-endian) byte order
+                    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                    found.append((getattr(ip, "ipv4_mapped", None) or ip, fields[9]))
+    return found
+
+
+def check_vllm_on_loopback(pf: Preflight) -> None:
+    args = pf.args
+    url, port = urllib.parse.urlsplit(args.vllm_url), url_port(args.vllm_url)
+    listening = [address for address, _ in listening_sockets(port)]
+    danger = "with ipc vLLM unpickles every weight push, so whoever reaches it can run code as vLLM's user"
+    if not is_loopback(url.hostname or ""):
+        pf.add("vLLM on loopback", FAIL, f"--vllm-url {args.vllm_url} is not a loopback address: {danger}",
+               f"serve vLLM with --host 127.0.0.1 and give --vllm-url http://127.0.0.1:{port}")
+    elif exposed := [str(a) for a in listening if not a.is_loopback]:
+        pf.add("vLLM on loopback", FAIL, f"vLLM listens on {exposed[0]} port {port}, beyond this host: {danger}",
+               "restart vLLM with --host 127.0.0.1")
+    elif not listening:
+        pf.add("vLLM on loopback", WARN, f"--vllm-url is loopback, but no socket listening on port {port} is visible "
+               "here (another network namespace?): whether vLLM is reachable beyond this host is unknown",
+               "make sure vLLM runs with --host 127.0.0.1")
+    elif job := next((f"{name}={os.environ[name]}" for name in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+                      if os.environ.get(name)), None):
+        # Loopback keeps other hosts out, not the other users of this one: a scheduler's node runs their jobs too.
+        pf.add("vLLM on loopback", WARN, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
+               f"{port} only, but this host is shared ({job}: a scheduler's node, other users' jobs may run on it) "
+               f"and every local user reaches its loopback: {danger}",
+               "run the job on a node of its own (SLURM: --exclusive), or serve vLLM on a GPU of its own with "
+               "--weight-transfer-config '{\"backend\":\"nccl\"}', which unpickles nothing")
+    else:
+        pf.add("vLLM on loopback", PASS, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
+               f"{port} only")
+
+
+def check_trainer_ranks(pf: Preflight) -> None:
+    if (ranks := int(os.environ.get("WORLD_SIZE", "1"))) > 1:
+        pf.add("trainer ranks", FAIL, f"{ranks} trainer processes (WORLD_SIZE): vLLM's ipc backend takes each push "
+               "from one process on its GPU",
+               "launch one trainer process (python or uv run, not accelerate launch / torchrun), or serve vLLM on a "
+               "GPU of its own with --weight-transfer-config '{\"backend\":\"nccl\"}'")
+
+
+def check_dtype(pf: Preflight) -> None:
+    """The precision the trainer scores at against the one vLLM samples at: on a GPU the trainer computes under bf16
+    autocast whatever its weights are (the config's bf16, HarborGRPOConfig; accelerate wraps the forward),
+    elsewhere in its weights' dtype. TRL's own start-up warning compares weight dtypes only."""
+    if pf.vllm_config is None:
+        pf.add("dtype", SKIP, "vLLM's dev endpoints are off, so its dtype cannot be read")
+        return
+    args, served_dtype, on_gpu = pf.args, pf.served["dtype"] or "", pf.args.bf16
+    trains = trainer_dtype(args)
+    computes = "bfloat16" if on_gpu else trains
+    weights = f"the trainer's weights are {trains} (--dtype {args.dtype})"
+    if not served_dtype:
+        pf.add("dtype", WARN, "vLLM did not report its dtype")
+    elif computes is None:
+        pf.add("dtype", WARN, f"vLLM serves {served_dtype}; --dtype auto could not be resolved "
+               f"({model_shape_error(args)})")
+    elif served_dtype == computes == trains:
+        pf.add("dtype", PASS, f"vLLM serves {served_dtype}, {weights}")
+    elif served_dtype == computes:
+        # 2 x H200: step-1 importance ratio 1.0004, kl 0.002 (bench/results/2026-12-01-h200.md).
+        pf.add("dtype", PASS, f"vLLM serves bfloat16 and the trainer scores under bfloat16 autocast; {weights}, "
+               "rounded to bfloat16 by each push (TRL's start-up warning about this is expected)")
+    elif on_gpu:
+        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, the trainer scores under bfloat16 autocast on GPU "
+               f"whatever its weights ({trains}): the precision gap shows up in every importance ratio",
+               "serve with vLLM's --dtype bfloat16")
+    else:
+        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, {weights}; TRL warns about this at start too. Each push "
+               "rounds them to the served dtype, and the precision gap between trainer and server shows up in the "
+               "importance ratio",
+               f"serve with vLLM's --dtype {trains} to match, or train in {served_dtype} after reading --dtype's help "
+               "(its risk at small learning rates)")
+
+
+def check_lora_engine(pf: Preflight) -> None:
+    if pf.vllm_config.get("lora_config"):
+        # TRL would then sync the adapter alone, registered as `trl-policy-vN`, which only its own worker asks for:
+        # the capture proxy asks for the served model, so every rollout would sample the untrained base.
+        pf.add("LoRA", FAIL, "vLLM runs with --enable-lora (its /server_info has a lora_config): TRL would push the "
+               "adapter under its own names, which the Harbor capture proxy never requests, so every rollout would "
+               "sample the untrained base model",
+               "restart vLLM without --enable-lora (and its --max-lora-rank / --max-loras): --use-peft pushes merged "
+               "weights")
+    else:
+        pf.add("LoRA", PASS, f"merged sync: every push sends the base weights with the r={pf.args.lora_r} adapter "
+               "folded in (vLLM runs without --enable-lora)")
+
+
+def check_context(pf: Preflight) -> None:
+    args, max_len = pf.args, pf.served["max_model_len"]
+    worst = args.agent_step_limit * args.max_completion_length
+    if not max_len:
+        pf.add("context", WARN, "vLLM did not report its max_model_len")
+    elif worst > max_len:
+        pf.add("context", WARN, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} > "
+               f"vLLM's max_model_len {max_len:,}: a rollout that uses its whole budget ends at the context limit",
+               "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
+    else:
+        pf.add("context", PASS, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} "
+               f"fit max_model_len {max_len:,}, with {max_len - worst:,} left for the prompt and command output")
+
+
+def tied_lora_targets(model: Any) -> list[str]:
+    """The modules of a PEFT model whose LoRA adapter sits on a weight the model ties to another: its input
+    embeddings and its output head share one tensor, and an adapter on one of them leaves the other at the base."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    pair = [m.get_base_layer() if isinstance(m, LoraLayer) else m
+            for m in (base.get_input_embeddings(), base.get_output_embeddings())]
+    if None in pair or pair[0].weight is not pair[1].weight:
+        return []
+    return [name for name, m in base.named_modules() if isinstance(m, LoraLayer)
+            and m.get_base_layer().weight is pair[0].weight]
+
+
+def check_lora_targets(pf: Preflight) -> None:
+    args = pf.args
+    if model_shape_error(args) is not None:
+        return  # the checkpoints row says why --model's config cannot be read
+    try:
+        lora = lora_model(args)
+    except ValueError as exc:  # PEFT's NoMatchingPeftModuleError
+        pf.add("LoRA targets", FAIL, f"--lora-target-modules: {exc}", "name modules of --model, or all-linear")
+        return
+    if tied := tied_lora_targets(lora):
+        pf.add("LoRA targets", FAIL, f"--lora-target-modules {' '.join(args.lora_target_modules or [])} puts an "
+               f"adapter on {', '.join(tied)}, whose weight {args.model} ties between its input embeddings and its "
+               "output head: the adapter would change one of the two only, and the merged push both",
+               "leave embed_tokens and lm_head out of --lora-target-modules (all-linear does), or train without "
+               "--use-peft")
+
+
+def check_precision(pf: Preflight) -> None:
+    args, dtype = pf.args, trainer_dtype(pf.args)
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and dtype not in (None, "float32"):
+        # accelerate's FSDP2 prepare upcasts trainable parameters to float32 after TRL has told vLLM their dtype,
+        # so every push would send other bytes than vLLM expects (fsdp_utils: "Upcast to fp32 master weights").
+        pf.add("precision", FAIL, f"--dtype {args.dtype} under FSDP: accelerate upcasts the weights to float32 "
+               f"after TRL announced them to vLLM as {dtype}, so weight pushes would not match",
+               "--dtype float32 (FSDP keeps float32 weights anyway and computes in bf16)")
+    elif os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and args.use_peft:
+        # The merged push folds the adapter in per layer from local tensors (HarborGRPOTrainer._streaming_iter).
+        pf.add("precision", FAIL, "--use-peft under FSDP: this script's merged push reads whole adapter tensors, "
+               "which FSDP shards", "train LoRA on one trainer process (docs/capacity.md, LoRA), or without FSDP")
+    elif args.use_peft and dtype is not None:
+        # The trained tensors are the adapters, float32 whatever --dtype (PEFT's autocast_adapter_dtype).
+        half_step = 2.0 ** math.floor(math.log2(0.02)) * torch.finfo(torch.float32).eps / 2
+        pf.add("precision", PASS if args.learning_rate >= half_step else WARN,
+               f"LoRA: base weights {dtype}, frozen; adapters and their AdamW moments float32 (steps of "
+               f"~{args.learning_rate:g} land); each push rounds the folded-in base once to {dtype}, never the "
+               "trainer's copy")
+    elif dtype in ("bfloat16", "float16", "float32"):
+        # An AdamW step moves a weight by about the learning rate. Below half the dtype's spacing at a typical
+        # weight (0.02, Qwen3's initializer range) the sum rounds back to the old weight: no update at all.
+        typical = 0.02
+        half_step = 2.0 ** math.floor(math.log2(typical)) * torch.finfo(getattr(torch, dtype)).eps / 2
+        if args.learning_rate < half_step:
+            pf.add("precision", WARN, f"{dtype} weights: an AdamW step moves a weight by ~--learning-rate "
+                   f"{args.learning_rate:g}, below half the {dtype} spacing at |w| = {typical} ({half_step:.1e}): "
+                   "most updates round to no change and the run silently stops learning",
+                   f"--dtype float32 (docs/capacity.md), or a learning rate well above {half_step:.0e}")
+        else:
+            pf.add("precision", PASS, f"{dtype} weights: AdamW steps of ~{args.learning_rate:g} exceed half the "
+                   f"{dtype} spacing at |w| = {typical} ({half_step:.1e})")
+
+
+def check_checkpoints(pf: Preflight) -> None:
+    args, shape, dtype = pf.args, pf.shape, trainer_dtype(pf.args)
+    if (problem := model_shape_error(args)) is not None:
+        pf.add("checkpoints", SKIP, f"size unknown: {problem}")
+        return
+    if not pf.writable or shape is None:  # the output dir's row, or a --lora-target-modules without a shape to size
+        return
+    disk, free = checkpoint_disk(args, shape), shutil.disk_usage(args.output_dir).free
+    pf.plan["checkpoint_bytes"] = disk.each
+    written = f"{disk.kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written"
+    if args.use_peft:
+        detail = (f"~{human_bytes(disk.each)} each ({shape.adapter / 1e6:.2f} M adapter params x 12 B: float32 "
+                  f"adapter + 2 AdamW moments); {written}, and the merged model at the end "
+                  f"({human_bytes(disk.merged)}) = {human_bytes(disk.peak)}; {human_bytes(free)} free in "
+                  f"{args.output_dir}")
+    else:
+        params = shape.params
+        count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
+        detail = (f"~{human_bytes(disk.each)} each ({count} params x {3 * shape.width} B: {dtype} weights + 2 AdamW "
+                  f"moments); {written} = {human_bytes(disk.peak)}; {human_bytes(free)} free in {args.output_dir}")
+    pf.add("checkpoints", WARN if free < disk.peak else PASS, detail,
+           "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
+
+
+def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
+    """GPU uuid -> [(pid, command line, GiB)] of the compute processes nvidia-smi lists; None when it cannot."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory,process_name",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    apps: dict[str, list[tuple[int, str, float]]] = {}
+    for line in out.splitlines():
+        uuid, pid, mib, name = ([*(x.strip() for x in line.split(",", 3))] + ["", "", "", ""])[:4]
+        if not pid.isdigit():
+            continue
+        # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_*; nvidia-smi may show only `python`.
+        with contextlib.suppress(OSError):
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") or name
+        apps.setdefault(uuid.lower().removeprefix("gpu-"), []).append(
+            (int(pid), name, float(mib) / 1024 if mib.replace(".", "").isdigit() else 0.0))
+    return apps
+
+
+def cpu_shares_cuda() -> bool:
+    """Whether a CPU trainer's push hands vLLM CUDA memory: torch shares none from CPU tensors (the CPU tests stand in
+    for it)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    return reduce_tensor(torch.zeros(1))[0] is rebuild_cuda_tensor
+
+
+def check_trainer_gpu(pf: Preflight) -> None:
+    if not torch.cuda.is_available():
+        if pf.ipc and not cpu_shares_cuda():
+            pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer (torch {torch.__version__}, "
+                   f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}), but vLLM serves the "
+                   "ipc backend: CUDA IPC cannot push weights from a CPU trainer",
+                   "run this script on vLLM's GPU (CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>) with a CUDA "
+                   "build of torch (`uv run` installs it from this script's header)")
+        else:
+            pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
+        return
+    fix = ("give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, CUDA_VISIBLE_DEVICES=1 "
+           "for this script (NCCL refuses two ranks on one device)")
+    pf.gpu_apps = apps = gpu_processes()
+    # The trainer's ranks on this node take the first visible GPUs, one each.
+    local = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()) if apps is not None else 0
+    held, shared, free = [], [], []
+    for index in range(local):
+        props = torch.cuda.get_device_properties(index)
+        label = f"cuda:{index} ({props.name})"
+        others = [a for a in apps.get(str(props.uuid).lower().removeprefix("gpu-"), []) if a[0] != os.getpid()]
+        vllm = [a for a in others if "vllm" in a[1].lower()]
+        if vllm:
+            held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
+        elif others:
+            shared.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
+        else:
+            free.append(label)
+    if pf.ipc:
+        pf.add("trainer GPU", PASS, f"{'; '.join(held + shared) or ', '.join(free) or 'cuda:0'}: shared with vLLM on "
+               "purpose (the ipc backend pushes weights within one card)")
+    elif held:
+        pf.add("trainer GPU", FAIL, "; ".join(held), fix)
+    elif apps is None:
+        # No nvidia-smi (or none that answers): memory is all that can be seen, and only for rank 0's own GPU.
+        free_b, total_b = torch.cuda.mem_get_info(0)
+        pf.add("trainer GPU", WARN if (total_b - free_b) / total_b > 0.25 else PASS,
+               f"cuda:0: {(total_b - free_b) / 2**30:.1f} of {total_b / 2**30:.0f} GiB already in use (nvidia-smi "
+               "unavailable, so who holds it is unknown)", fix)
+    elif shared:
+        pf.add("trainer GPU", WARN, "; ".join(shared) + "; the trainer needs the whole card", fix)
+    else:
+        pf.add("trainer GPU", PASS, f"{', '.join(free)}: no other process on it")
+
+
+def serving_processes(port: int) -> set[int]:
+    """The processes holding a socket listening on `port`, and all their descendants: vLLM's API server holds the
+    port, its engine core (the process on the GPU) is a child of it."""
+    inodes = {f"socket:[{inode}]" for _, inode in listening_sockets(port)}
+    parents, tree = {}, set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile, or another user's
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                tree.add(int(proc.name))
+    while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
+        tree |= grown
+    return tree
+
+
+def check_same_gpu(pf: Preflight) -> None:
+    """CUDA IPC maps memory of one physical GPU: vLLM must run on the trainer's own, by UUID (indices differ with
+    CUDA_VISIBLE_DEVICES)."""
+    if not torch.cuda.is_available():
+        pf.add("same GPU", SKIP, "no CUDA device visible: CUDA IPC needs the trainer on vLLM's GPU" if cpu_shares_cuda()
+               else "not compared: the trainer has no CUDA device (the trainer GPU row)")
+        return
+    apps, vllm_url = pf.gpu_apps, pf.args.vllm_url
+    props = torch.cuda.get_device_properties(0)
+    mine = str(props.uuid).lower().removeprefix("gpu-")
+    fix = "start this script with vLLM's GPU visible first: CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>"
+    if apps is None:
+        pf.add("same GPU", WARN, "nvidia-smi is unavailable, so which GPU vLLM runs on is unknown: a push from "
+               "another GPU fails at the first step", fix)
+        return
+    mig = (mine.startswith("mig-") or " MIG " in f" {props.name} "
+           or os.environ.get("CUDA_VISIBLE_DEVICES", "").upper().startswith("MIG-"))
+    if mig or any(uuid.startswith("mig-") for uuid in apps):
+        # A MIG instance's UUID is not its parent GPU's, and nvidia-smi lists processes by either: no comparison
+        # of the two tells whether vLLM shares the trainer's instance.
+        pf.add("same GPU", WARN, f"cuda:0 ({props.name}) is a MIG instance ({str(props.uuid)}): whether vLLM runs "
+               "on the same GPU instance could not be verified; a push from another fails at the first step",
+               "start vLLM and this script with the same CUDA_VISIBLE_DEVICES=MIG-<UUID, nvidia-smi -L>")
+        return
+    port = url_port(vllm_url)
+    server = serving_processes(port) - {os.getpid()}
+    how = f"the processes serving port {port}"
+    vllm = {uuid: [a for a in procs if a[0] in server] for uuid, procs in apps.items()}
+    if not any(vllm.values()):  # its processes unseen here (another user's, another PID namespace): by name
+        how = "the processes named vllm"
+        vllm = {uuid: [a for a in procs if "vllm" in a[1].lower() and a[0] != os.getpid()]
+                for uuid, procs in apps.items()}
+    vllm = {uuid: procs for uuid, procs in vllm.items() if procs}
+    if mine in vllm:
+        pf.add("same GPU", PASS, f"cuda:0 ({props.name}, GPU-{mine}) is vLLM's GPU ({how}: pid {vllm[mine][0][0]})")
+    elif vllm:
+        theirs = next(iter(vllm))
+        pf.add("same GPU", FAIL, f"vLLM runs on GPU-{theirs} ({how}: pid {vllm[theirs][0][0]}), the trainer on "
+               f"cuda:0 = GPU-{mine}: CUDA IPC reaches only the same physical GPU",
+               f"start this script with CUDA_VISIBLE_DEVICES=GPU-{theirs}")
+    else:
+        pf.add("same GPU", WARN, "no process of vLLM's shows on any GPU here (nvidia-smi), so whether it runs on "
+               f"cuda:0 (GPU-{mine}) is unknown: a push from another GPU fails at the first step", fix)
+
+
+def check_attention_kernel(pf: Preflight) -> None:
+    """TRL's own kernel loader, now: the hub download and the GPU check take seconds here, not a failed first step
+    after weights, the first weight push and the first paid sandbox group. TRL caches the module it returns."""
+    if not torch.cuda.is_available():
+        pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
+               "(kernels-community/flash-attn3), which has no CPU build")
+        return
+    repo = "kernels-community/aiter-flash-attn (version 2)" if torch.version.hip else \
+        "kernels-community/flash-attn3 (version 1)"
+    props = torch.cuda.get_device_properties(0)
+    gpu = f"{props.name} (compute capability {props.major}.{props.minor}), torch {torch.__version__}"
+    gpu_fix = ("TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
+              "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
+    try:
+        # private: TRL's own kernel loader, which caches what it loads; no public call loads it
+        kernel = packing._flash_attn()
+    except ImportError as exc:
+        pf.add("attention kernel", FAIL, f"TRL's tree attention imports `kernels`: {exc}",
+               "install it: pip install 'kernels>=0.17.2,<0.19' (`uv run` installs it from this script's header)")
+        return
+    except Exception as exc:  # noqa: BLE001 - classified below; the message is the library's
+        message = redact(f"{type(exc).__name__}: {exc}")[:600]
+        offline = (os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
+                   or re.search(r"offline|connect|resolve|timed? ?out|local snapshot|cached", message, re.I))
+        if offline:
+            pf.add("attention kernel", FAIL, f"{repo} could not be fetched from the hub: {message}",
+                   "pre-fetch it into a hub cache on a machine with internet and the same torch and CUDA: "
+                   "HF_HOME=/shared/hf python -c \"from kernels import get_kernel; "
+                   "get_kernel('kernels-community/flash-attn3', version=1)\"; then train with HF_HOME=/shared/hf "
+                   "HF_HUB_OFFLINE=1")
+        else:
+            pf.add("attention kernel", FAIL, f"{repo} has no build for this GPU and torch: {gpu}: {message}", gpu_fix)
+        return
+    try:  # one tiny causal call: a build that loads can still refuse this GPU when it runs
+        q = torch.randn(8, 2, 64, device="cuda:0", dtype=torch.bfloat16)
+        cu = torch.tensor([0, 8], device="cuda:0", dtype=torch.int32)
+        kernel.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, causal=True)
+        torch.cuda.synchronize(0)
+    except Exception as exc:  # noqa: BLE001
+        pf.add("attention kernel", FAIL, f"{repo} loaded but cannot run on {gpu}: {type(exc).__name__}: {exc}"[:700],
+               gpu_fix)
+        return
+    pf.add("attention kernel", PASS, f"{repo} loaded and ran on {gpu}")
+
+
+def gpu_memory() -> tuple[int, int] | None:
+    """(free, total) bytes on the trainer's GPU (rank 0's cuda:0) as the driver reports them; None without one."""
+    try:
+        return torch.cuda.mem_get_info(0)
+    except (AssertionError, RuntimeError):  # torch built without CUDA asserts; with CUDA but no device it raises
+        return None
+
+
+def check_trainer_memory(pf: Preflight) -> None:
     """The trainer's projected peak on its GPU against what it may use there, before any weights load or paid rollout.
 
     On a GPU vLLM shares (the ipc backend) that is what vLLM's --gpu-memory-utilization leaves of the card's total:
@@ -2009,12 +2149,11 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
     plan then caps the trainer there (train() applies it), so it never grows into vLLM's share, whether or not its
     peak could be projected.
     """
-    check = "trainer memory"
+    check, args, shape, served = "trainer memory", pf.args, pf.shape, pf.served or {}
     memory = gpu_memory()
-    engine = engine or ((served or {}).get("weight_transfer"), (served or {}).get("gpu_memory_utilization"))
-    backend, utilisation = engine
+    backend, utilisation = served.get("weight_transfer"), served.get("gpu_memory_utilization")
     shared = backend == "ipc"
-    facts, cap, room, limit, total = {}, "", "", 0, 0
+    facts, cap, room, limit, total = {}, "", "", 0, 0  # facts: what training takes, unless the row FAILs
     if memory is not None:
         free, total = memory
         usable = min(free, int(total * (1 - utilisation))) if shared and utilisation else free
@@ -2023,7 +2162,7 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
                 f"{gib(utilisation * total)}" if shared and utilisation else "")
         room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}{vllm}; "
                 f"{gib(OUTSIDE_ALLOCATOR)} left for what torch's allocator does not count)")
-    served_width = dtype_bytes(str((served or {}).get("dtype") or "bfloat16"))
+    served_width = dtype_bytes(str(served.get("dtype") or "bfloat16"))
     push = {"backend": backend, "served_width": served_width}
     # vLLM's own copies while it loads a push come out of the same room: the trainer is capped below them.
     beside = trainer_peak(shape, 0, **push).get("vLLM's push copies", 0) if shape else 0
@@ -2036,8 +2175,9 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
     if shape is None:
         pf.add(check, SKIP, f"not projected: {model_shape_error(args) or '--dtype auto: its dtype is unknown'}"
                + (f"; {room}{cap}" if cap else ""))
-        return facts
-    row = longest_row(args, served and served.get("max_model_len"))
+        pf.plan |= facts
+        return
+    row = longest_row(args, served.get("max_model_len"))
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     parts = trainer_peak(shape, row or 0, ranks, fsdp, **push)
@@ -2051,31 +2191,22 @@ def check_trainer_memory(args: argparse.Namespace, pf: Preflight, shape: Trainer
     detail = f"projected peak {gib(need)} for {rows}, {what}: {', '.join(f'{k} {gib(n)}' for k, n in parts.items())}"
     if memory is None:
         pf.add(check, SKIP, f"{detail}; no GPU to compare against (the trainer runs on CPU)")
-        return {}
+        return
     if need > limit:
         pf.add(check, FAIL, f"{detail} > {room}: training would run out of GPU memory at its first step, after a "
                "group of paid rollouts", memory_fixes(args, shape, need, limit, total, row or 0, ranks, fsdp,
                                                       utilisation if shared else None, **push))
-        return {}  # nothing trains
+        return  # nothing trains
+    pf.plan |= facts
     if row is None:
         pf.add(check, SKIP, f"{detail}: fits {room}; the activations are projected once vLLM answers{cap}")
-        return facts
+        return
     if need * (1 + MEMORY_TOLERANCE) > limit:
         pf.add(check, WARN, f"{detail}, within {MEMORY_TOLERANCE:.0%} of {room}{cap}",
                memory_fixes(args, shape, need, limit, total, row, ranks, fsdp, utilisation if shared else None,
                             **push))
     else:
         pf.add(check, PASS, f"{detail}; fits {room}, {gib(limit - need)} to spare{cap}")
-    return facts
-
-
-def vllm_floor(args: argparse.Namespace, shape: TrainerShape, tokens: int) -> int:
-    """Bytes a vLLM serving --model needs at the least: bfloat16 weights, the KV cache of one `tokens`-long sequence and
-    VLLM_BUFFERS."""
-    text = AutoConfig.from_pretrained(args.model).get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_per_token = 2 * shape.layers * getattr(text, "num_key_value_heads", text.num_attention_heads) * head_dim * 2
-    return 2 * shape.params + tokens * kv_per_token + VLLM_BUFFERS
 
 
 def memory_fixes(args: argparse.Namespace, shape: TrainerShape, need: int, limit: int, total: int, row: int,
@@ -2107,6 +2238,21 @@ def memory_fixes(args: argparse.Namespace, shape: TrainerShape, need: int, limit
                                    "(slurm/README.md)")
 
 
+def check_credentials(pf: Preflight) -> None:
+    """Before starting our own server: what only this process can see (its environment)."""
+    args = pf.args
+    var = SANDBOX_CREDENTIALS.get(args.sandbox)
+    if var and not os.environ.get(var):
+        pf.sandbox_reachable = pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would "
+                                      "fail to start", f"export {var} before launching (the Harbor server this script "
+                                      "starts inherits it)")
+    elif args.dataset == DEFAULT_DATASET and not os.environ.get("HF_TOKEN"):
+        pf.add("credentials", WARN, "HF_TOKEN is not set: the default suite's tasks fetch their data with it",
+               "export HF_TOKEN")
+    else:
+        pf.add("credentials", PASS, f"{var} set" if var else f"{args.sandbox} needs none that this script knows of")
+
+
 def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
     """--harbor-expose auto: (the server's --expose, why, whether the rule knows). The harness, not the trainer,
     calls the capture proxy, from wherever it runs."""
@@ -2126,65 +2272,76 @@ def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
                       "host's 127.0.0.1 is not known here"), False
 
 
-def check_sandbox_reach(args: argparse.Namespace, pf: Preflight) -> bool:
-    """Before starting our own server: what only this process can see (its environment, its PATH)."""
-    var = SANDBOX_CREDENTIALS.get(args.sandbox)
-    credentials = not var or bool(os.environ.get(var))
-    if not credentials:
-        pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would fail to start",
-               f"export {var} before launching (the Harbor server this script starts inherits it)")
-    elif args.dataset == DEFAULT_DATASET and not os.environ.get("HF_TOKEN"):
-        pf.add("credentials", WARN, "HF_TOKEN is not set: the default suite's tasks fetch their data with it",
-               "export HF_TOKEN")
-    else:
-        pf.add("credentials", PASS, f"{var} set" if var else f"{args.sandbox} needs none that this script knows of")
+def check_capture_url(pf: Preflight) -> None:
+    """Before starting our own server, which advertises the capture proxy where --harbor-expose says."""
+    args = pf.args
     picked, why, known = pick_expose(args)
     probe = "confirm with --check --probe-rollout (one real rollout), or set --harbor-expose"
     if args.harbor_expose == "auto":
         args.harbor_expose = picked
         pf.add("capture URL", PASS if known else WARN, f"--harbor-expose auto: {picked}. {why}", probe)
     elif args.harbor_expose == "direct" and picked != "direct":
-        return pf.add("capture URL", FAIL, f"--harbor-expose direct advertises 127.0.0.1, which the harness cannot "
-                      f"reach: {why}", f"--harbor-expose {picked} (or auto)")
+        pf.sandbox_reachable = pf.add("capture URL", FAIL, f"--harbor-expose direct advertises 127.0.0.1, which the "
+                                      f"harness cannot reach: {why}", f"--harbor-expose {picked} (or auto)")
     elif args.harbor_expose == "cloudflare" and not shutil.which("cloudflared"):
-        return pf.add("capture URL", FAIL, "--harbor-expose cloudflare needs `cloudflared` on PATH",
-                      "install cloudflared, or use --harbor-expose gradio")
+        pf.sandbox_reachable = pf.add("capture URL", FAIL, "--harbor-expose cloudflare needs `cloudflared` on PATH",
+                                      "install cloudflared, or use --harbor-expose gradio")
     elif args.harbor_expose == "direct" and not known:
         pf.add("capture URL", WARN, f"--harbor-expose direct: {why}", probe)
     else:
         pf.add("capture URL", PASS, f"--harbor-expose {args.harbor_expose}")
-    return credentials
 
 
-def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any],
-                 server: EmbeddedHarborServer | None) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
-    """The server's splits and its engine report, once harness, sandbox and session slots are known to work."""
+def check_harbor_waits_for_vllm(pf: Preflight) -> None:
+    pf.add("Harbor server", SKIP, "not checked: vLLM must answer first (the server samples from it); harness, "
+           "sandbox, dataset and task names are checked once it does")
+
+
+def closest_first(name: str, choices: Any) -> list[str]:
+    return difflib.get_close_matches(name, list(choices), n=len(choices), cutoff=0)
+
+
+def harbor_environment_types() -> set[str]:
+    """Sandbox types Harbor itself knows; the server advertises (and credential-checks) only a few of them."""
+    try:
+        from harbor.models.environment_type import EnvironmentType
+    except ImportError:
+        return OFF_HOST_SANDBOXES | {"docker", "podman"}
+    return {t.value for t in EnvironmentType}
+
+
+def check_harbor_server(pf: Preflight) -> None:
+    """Ours started, or yours reached: its splits and capabilities, which the rows after this one judge."""
+    args, server = pf.args, pf.server
     if server is not None:
         try:
-            seconds = server.start(served["id"])
+            seconds = server.start(pf.served["id"] if pf.served else "")
         except UsageError as exc:
             tail = server.log_path.read_text(errors="replace").splitlines()[-15:]
             pf.add("Harbor server", FAIL, "\n".join([str(exc), *(f"    {line}" for line in tail)]),
                    "fix what its log says, or pass --harbor-url")
-            return None
+            return
         args.harbor_url = server.url
         pf.add("Harbor server", PASS, f"started {server.url} in {seconds:.0f}s (log: {server.log_path})")
     client = HarborEnv(base_url=args.harbor_url)
     try:
         splits = client.splits()
-        caps = client.capabilities()
+        capabilities = client.capabilities()
     except Exception as exc:  # noqa: BLE001 - any failure here means the same thing to the user
         pf.add("Harbor server", FAIL, f"Harbor server not reachable at {args.harbor_url} ({type(exc).__name__}: "
                f"{exc})", "start `openenv harbor serve ... --expose direct`, fix --harbor-url, or drop --harbor-url "
                "to let this script start one")
-        return None
+        return
     finally:
         client.close()
     if server is None:
         pf.add("Harbor server", PASS, f"{args.harbor_url} (yours)")
+    pf.splits, pf.capabilities = splits, capabilities
 
-    harnesses = {h["name"]: h for h in caps.get("harnesses", [])}
-    for name in args.harnesses:
+
+def check_harness(pf: Preflight) -> None:
+    harnesses = {h["name"]: h for h in pf.capabilities.get("harnesses", [])}
+    for name in pf.args.harnesses:
         harness = harnesses.get(name)
         if harness is None and ":" not in name:  # `module:Class` is a custom harness the server imports
             pf.add("harness", FAIL, f"unknown harness {name!r}; this server has: "
@@ -2195,7 +2352,10 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
         else:
             pf.add("harness", PASS, f"{name} ({harness.get('status', '?') if harness else 'custom import'})")
 
-    sandboxes = {s["name"]: s for s in caps.get("sandboxes", [])}
+
+def check_sandbox(pf: Preflight) -> None:
+    args = pf.args
+    sandboxes = {s["name"]: s for s in pf.capabilities.get("sandboxes", [])}
     box = sandboxes.get(args.sandbox)
     if box is None and args.sandbox in harbor_environment_types():
         pf.add("sandbox", WARN, f"the Harbor server does not advertise {args.sandbox!r}, so its credentials were "
@@ -2209,7 +2369,10 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
     else:
         pf.add("sandbox", PASS, f"{args.sandbox} ({box.get('detail') or 'available'})")
 
-    llm = caps.get("llm") or {}
+
+def check_servers_engine(pf: Preflight) -> None:
+    args = pf.args
+    pf.plan["llm"] = llm = pf.capabilities.get("llm") or {}
     # Names are compared as given: this host cannot tell the server's localhost from ours (--allow-engine-mismatch).
     engine, ours = (urllib.parse.urlsplit(url) for url in (llm.get("url", ""), args.vllm_url))
     if args.measure:
@@ -2227,8 +2390,10 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
     else:
         pf.add("server's engine", PASS, f"{llm.get('url')}: tokens, the vLLM the trainer updates")
 
-    # Taken and released: a short server fails every rollout. Held-out evals run beside training's rollouts, each with
-    # up to --max-inflight at once.
+
+def check_session_slots(pf: Preflight) -> None:
+    """Taken and released. Held-out evals run beside training's rollouts, each with up to --max-inflight at once."""
+    args = pf.args
     needed = args.max_inflight * (2 if args.eval_tasks and not args.measure else 1)
     sessions = [HarborServerSession(args.harbor_url, timeout_s=30) for _ in range(needed)]
     try:
@@ -2243,11 +2408,10 @@ def check_harbor(args: argparse.Namespace, pf: Preflight, served: dict[str, Any]
     finally:
         for session in sessions:
             session.close()
-    return splits, llm
 
 
-def check_tasks(args: argparse.Namespace, pf: Preflight,
-                splits: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]] | None:
+def check_dataset(pf: Preflight) -> None:
+    args, splits = pf.args, pf.splits
     names = [s["name"] for s in splits]
     # A server started on a local copy of the default suite names its split by path.
     default_copy = names[0] if len(names) == 1 and args.dataset == DEFAULT_DATASET else ""
@@ -2256,28 +2420,55 @@ def check_tasks(args: argparse.Namespace, pf: Preflight,
         pf.add("dataset", FAIL, f"the Harbor server does not serve {args.split or args.dataset!r}; it serves: "
                f"{', '.join(names) or 'nothing'}",
                f"start it with --dataset {args.dataset}, pass --split, or drop --harbor-url")
-        return None
+        return
     split_info = next(s for s in splits if s["name"] == split)
     if split_info.get("error"):
         pf.add("dataset", FAIL, f"the Harbor server could not load {split!r}: {split_info['error']}")
-        return None
+        return
     pf.add("dataset", PASS, f"{split} ({split_info.get('num_tasks', '?')} tasks)")
+    pf.plan["split"] = split
+
+
+def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
+    client = HarborEnv(base_url=harbor_url)
+    try:
+        total = client.num_tasks(split)
+        return [t.model_dump() for start in range(0, total, page)
+                for t in client.get_task_range(split, start, min(start + page, total))]
+    finally:
+        client.close()
+
+
+def check_tasks(pf: Preflight) -> None:
+    args, split = pf.args, pf.plan["split"]
     if args.tasks == DEFAULT_TASKS and split != DEFAULT_DATASET and args.dataset != DEFAULT_DATASET:
         pf.add("tasks", FAIL, f"--tasks: the default task list is for {DEFAULT_DATASET}",
                f"give the tasks of {split!r} (e.g. --tasks 0-99)")
-        return None
+        return
     try:
         tasks = resolve_tasks(read_task_spec(args.tasks), fetch_catalogue(args.harbor_url, split))
     except UsageError as exc:
         pf.add("tasks", FAIL, str(exc))
-        return None
+        return
     pf.add("tasks", PASS, f"{len(tasks)}: {', '.join(t['task_name'] for t in tasks[:5])}"
            f"{', ...' if len(tasks) > 5 else ''}")
-    return split, tasks
+    pf.plan["tasks"] = tasks
 
 
-def check_reward(args: argparse.Namespace, pf: Preflight, split: str, task: dict[str, Any]) -> None:
+def check_eval_tasks(pf: Preflight) -> None:
+    args = pf.args
+    try:
+        pf.plan["eval_tasks"] = resolve_tasks(read_task_spec(args.eval_tasks),
+                                              fetch_catalogue(args.harbor_url, pf.plan["split"]))
+        pf.add("eval tasks", PASS, f"{len(pf.plan['eval_tasks'])} held out, {args.eval_k} rollouts each, before "
+               f"training{f', every {args.eval_steps} steps' if args.eval_steps else ''} and after the last step")
+    except UsageError as exc:
+        pf.add("eval tasks", FAIL, str(exc).replace("--tasks", "--eval-tasks", 1))
+
+
+def check_probe_rollout(pf: Preflight) -> None:
     """One real rollout, scored by the verifier: proves sandbox, harness, capture URL and reward key end to end."""
+    args, task = pf.args, pf.plan["tasks"][0]
     key = args.reward_key or "reward"
     if not args.probe_rollout:
         pf.add("reward key", SKIP, f"{key!r}: not probed (`--check --probe-rollout` runs one rollout to confirm it)")
@@ -2285,7 +2476,7 @@ def check_reward(args: argparse.Namespace, pf: Preflight, split: str, task: dict
     client = HarborServerSession(args.harbor_url, rollout_budget_s(args.agent_timeout))
     t0 = time.monotonic()
     try:
-        r = client.run_rollout(split=split, task_index=int(task["index"]), harness=args.harnesses[0],
+        r = client.run_rollout(split=pf.plan["split"], task_index=int(task["index"]), harness=args.harnesses[0],
                                sandbox=args.sandbox, reward_key=args.reward_key, agent_timeout_sec=args.agent_timeout,
                                agent_step_limit=args.agent_step_limit, sampling={"temperature": args.temperature})
     except Exception as exc:  # noqa: BLE001 - reported, not raised: the rest of the table still matters
@@ -2311,140 +2502,101 @@ def check_reward(args: argparse.Namespace, pf: Preflight, split: str, task: dict
             pf.confirm("capture URL", f"the probe rollout's harness reached it ({r.n_turns} model calls)")
 
 
-def preflight(args: argparse.Namespace, pf: Preflight, server: EmbeddedHarborServer | None) -> dict[str, Any]:
-    """Every check, cheapest first. The checks that need no server run whatever a server says, so one table shows
-    every local problem even while vLLM is down; a failure that makes a later server check meaningless ends the
-    table there."""
-    plan: dict[str, Any] = {}
-    writable, plan["resume"] = check_run_dir(args, pf)
-    try:
-        read_task_spec(args.tasks)
-        task_spec_ok = True
-    except UsageError as exc:
-        task_spec_ok = pf.add("tasks", FAIL, str(exc))
-    if args.measure:
-        # Measuring samples through the Harbor server's own engine and loads no weights: the trainer's vLLM, its
-        # weight sync and its capture tier do not matter.
-        pf.add("measure", PASS, f"{args.eval_k} rollouts per task, {args.max_inflight} in flight; no trainer")
-        served = {"id": "", "max_model_len": None}
-    else:
-        pf.add("GRPO", PASS, f"{args.num_generations} generations per group, {args.max_inflight} rollouts in flight")
-        served = check_engine(args, pf)
-        plan |= check_trainer(args, pf, writable, (served or {}).get("weight_transfer"))
-        plan |= check_trainer_memory(args, pf, plan["trainer_shape"], served)
-    reachable = check_sandbox_reach(args, pf) if server is not None else True
-    if served is None:
-        pf.add("Harbor server", SKIP, "not checked: vLLM must answer first (the server samples from it); harness, "
-               "sandbox, dataset and task names are checked once it does")
-        return plan
-    plan["max_model_len"], plan["weight_transfer"] = served["max_model_len"], served.get("weight_transfer")
-    if not (writable and reachable and task_spec_ok):
-        return plan
-    if (found := check_harbor(args, pf, served, server)) is None:
-        return plan
-    splits, plan["llm"] = found
-    if (chosen := check_tasks(args, pf, splits)) is None:
-        return plan
-    plan["split"], plan["tasks"] = chosen
-    if args.eval_tasks and not args.measure:
-        try:
-            plan["eval_tasks"] = resolve_tasks(read_task_spec(args.eval_tasks),
-                                               fetch_catalogue(args.harbor_url, plan["split"]))
-            pf.add("eval tasks", PASS, f"{len(plan['eval_tasks'])} held out, {args.eval_k} rollouts each, before "
-                   f"training{f', every {args.eval_steps} steps' if args.eval_steps else ''} and after the last step")
-        except UsageError as exc:
-            pf.add("eval tasks", FAIL, str(exc).replace("--tasks", "--eval-tasks", 1))
-    check_reward(args, pf, plan["split"], plan["tasks"][0])
-    return plan
+class PreflightCheck(NamedTuple):
+    """A row of the preflight (a few, where one question asked once answers them), as `--check` prints it."""
+    rows: tuple[str, ...]  # the rows it may add
+    run: Callable[[Preflight], None]
+    needs: tuple[str, ...]  # Preflight's conditions that must all hold for it to run; else it adds no row
+    protects: str  # what it protects the user from
 
 
-def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
-    client = HarborEnv(base_url=harbor_url)
-    try:
-        total = client.num_tasks(split)
-        return [t.model_dump() for start in range(0, total, page)
-                for t in client.get_task_range(split, start, min(start + page, total))]
-    finally:
-        client.close()
+# Every check, in the order `--check` prints them: cheapest first. The checks that need no server run whatever a server
+# says, so one table shows every local problem even while vLLM is down; a check whose `needs` a failure left unmet
+# adds no row, which ends the table where nothing after it could mean anything.
+PREFLIGHT_CHECKS = [
+    PreflightCheck(("output dir",), check_output_dir, (),
+                   "a run whose first checkpoint cannot be written, after a step of paid rollouts"),
+    PreflightCheck(("resume",), check_resume, ("training", "writable"),
+                   "writing over another run's checkpoints, and resuming from a damaged one or one of another shape"),
+    PreflightCheck(("tasks",), check_task_spec, (),
+                   "a typo in --tasks found only once the servers are up"),
+    PreflightCheck(("measure",), check_measure, ("measuring",),
+                   "measuring other counts than meant: rollouts per task and in flight, said before any is paid for"),
+    PreflightCheck(("GRPO",), check_grpo, ("training",),
+                   "training on other group sizes than meant: said before any rollout is paid for"),
+    PreflightCheck(("vLLM reachable",), check_vllm_reachable, ("training",),
+                   "a trainer that loads its weights for a vLLM that is not up, or at another URL"),
+    PreflightCheck(("served model",), check_served_model, ("vllm_answers",),
+                   "pushing the trainer's weights into another model than vLLM serves"),
+    PreflightCheck(("capture tier",), check_capture_tier, ("vllm_answers",),
+                   "rollouts with nothing to train on (no token ids) or with wrong importance ratios (raw logprobs)"),
+    PreflightCheck(("tool calls",), check_tool_calls, ("vllm_answers",),
+                   "agent rollouts that fail at their first tool call"),
+    PreflightCheck(("weight transfer",), check_weight_transfer, ("vllm_answers",),
+                   "a trainer that cannot push its weights, so that every rollout samples the untrained model"),
+    PreflightCheck(("vLLM on loopback",), check_vllm_on_loopback, ("ipc",),
+                   "anyone who reaches an ipc vLLM running code as its user: it unpickles every push"),
+    PreflightCheck(("trainer ranks",), check_trainer_ranks, ("ipc",),
+                   "several trainer processes pushing to an ipc vLLM, which takes each push from one"),
+    PreflightCheck(("dtype",), check_dtype, ("vllm_answers",),
+                   "a precision gap between trainer and vLLM in every importance ratio"),
+    PreflightCheck(("LoRA",), check_lora_engine, ("vllm_dev_mode", "peft"),
+                   "every rollout sampling the untrained base: an --enable-lora vLLM gets adapters under names the "
+                   "capture proxy never asks for"),
+    PreflightCheck(("context",), check_context, ("vllm_answers",),
+                   "rollouts cut at vLLM's context limit before their turn budget is spent"),
+    PreflightCheck(("LoRA targets",), check_lora_targets, ("training", "peft"),
+                   "adapters PEFT cannot place, or one on a tied weight that leaves its twin at the base"),
+    PreflightCheck(("precision",), check_precision, ("training",),
+                   "updates that round to no change, so the run silently stops learning; FSDP pushes of another "
+                   "dtype than vLLM was told"),
+    PreflightCheck(("checkpoints",), check_checkpoints, ("training",),
+                   "a disk that fills mid-run"),
+    PreflightCheck(("trainer GPU",), check_trainer_gpu, ("training",),
+                   "a trainer on vLLM's GPU or a busy one (NCCL refuses two ranks on one device), or a CPU trainer "
+                   "for CUDA IPC"),
+    PreflightCheck(("same GPU",), check_same_gpu, ("ipc",),
+                   "a CUDA IPC push from another GPU than vLLM's, which fails at the first step"),
+    PreflightCheck(("attention kernel",), check_attention_kernel, ("training",),
+                   "an attention kernel missing or unbuilt for this GPU, found at the first step: after the weights "
+                   "load, the first push and the first paid group"),
+    PreflightCheck(("trainer memory",), check_trainer_memory, ("training",),
+                   "running out of GPU memory at the first step, after a group of paid rollouts, and a trainer that "
+                   "grows into vLLM's share of its GPU"),
+    PreflightCheck(("credentials",), check_credentials, ("own_server",),
+                   "every sandbox failing to start for a missing API key"),
+    PreflightCheck(("capture URL",), check_capture_url, ("own_server",),
+                   "a harness that cannot reach the capture proxy, so that no rollout records a token"),
+    PreflightCheck(("Harbor server",), check_harbor_waits_for_vllm, ("vllm_down",),
+                   "a Harbor server started for a vLLM that does not answer: it samples from it"),
+    PreflightCheck(("Harbor server",), check_harbor_server, ("ready_for_harbor",),
+                   "a Harbor server that is down or fails to start (its log's tail is on the row)"),
+    PreflightCheck(("harness",), check_harness, ("harbor_answers",),
+                   "a harness name with a typo, or one this server cannot run"),
+    PreflightCheck(("sandbox",), check_sandbox, ("harbor_answers",),
+                   "a sandbox name with a typo, or one without credentials on the server"),
+    PreflightCheck(("server's engine",), check_servers_engine, ("harbor_answers",),
+                   "rollouts sampled from another vLLM than the one the trainer updates, or without token ids"),
+    PreflightCheck(("session slots",), check_session_slots, ("harbor_answers",),
+                   "rollouts refused by a server with fewer session slots than --max-inflight"),
+    PreflightCheck(("dataset",), check_dataset, ("harbor_answers",),
+                   "asking a server for a split it does not serve"),
+    PreflightCheck(("tasks",), check_tasks, ("split_served",),
+                   "task names or indices the served split lacks"),
+    PreflightCheck(("eval tasks",), check_eval_tasks, ("tasks_found", "eval_tasks_given"),
+                   "held-out tasks the served split lacks, found at the first eval"),
+    PreflightCheck(("reward key", "probe rollout"), check_probe_rollout, ("tasks_found",),
+                   "a reward key the verifier never emits, so that every reward is 0; one rollout proves sandbox, "
+                   "harness, capture URL and reward key end to end"),
+]
 
 
-def numbered_checkpoints(output_dir: str) -> list[Path]:
-    """checkpoint-N dirs, newest first, as transformers rotates them (its get_last_checkpoint gives only the newest)."""
-    return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why a resume from `path` would fail, or None. Only the state files this script reads are checked: every file of
-    a checkpoint-N is complete once it exists (the staged rename, HarborGRPOTrainer._save_checkpoint), so what remains
-    is a path that is no checkpoint of this script, or state files damaged since."""
-    try:
-        int(json.loads((path / "trainer_state.json").read_text())["global_step"])
-        rollout = json.loads((path / "rollout_state.json").read_text())
-        int(rollout["prompt_index"])
-        [int(visit) for visit in rollout.get("pending", [])]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest checkpoint a resume can use; each newer one that is corrupt or partial is skipped with a warning."""
-    for path in numbered_checkpoints(output_dir):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return str(path)
-        print(f"warning: skipping {path}: {problem}; trying the checkpoint before it", file=sys.stderr)
-    return None
-
-
-def resolve_resume(args: argparse.Namespace) -> str | None:
-    if args.resume is None:
-        if numbered_checkpoints(args.output_dir):
-            raise UsageError(f"{args.output_dir} already holds checkpoints of another run; pass --resume to "
-                             "continue it, or a new --run-name / --output-dir")
-        return None
-    if args.resume in ("latest", "auto"):
-        path = latest_checkpoint(args.output_dir)
-        if path is None and numbered_checkpoints(args.output_dir):
-            # Starting over would write over them; a human should look first.
-            raise UsageError(f"--resume: no usable checkpoint in {args.output_dir} (see the warnings above); "
-                             "repair one, or remove them to start over")
-        if path is None and args.resume == "latest":
-            raise UsageError(f"--resume: no checkpoint-N in {args.output_dir}; pass the run's --run-name or "
-                             "--output-dir, or a checkpoint path")
-        return path
-    if problem := checkpoint_problem(Path(args.resume)):
-        raise UsageError(f"--resume {args.resume}: not a usable checkpoint ({problem})")
-    return args.resume
-
-
-def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | None:
-    """A LoRA checkpoint resumed without --use-peft, or full weights with it: transformers would load nothing. Or one
-    of other --lora-* flags: PEFT loads the weights into the adapter the flags built without reading the saved config,
-    so another rank fails on shapes and another alpha silently rescales every push."""
-    saved = Path(checkpoint or "") / "adapter_config.json"
-    if checkpoint is not None and args.use_peft and saved.is_file():
-        config = json.loads(saved.read_text())
-        flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
-        differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
-                  if config.get(key) != value]
-        # PEFT saves the modules it resolved its target_modules to (its default for the architecture, all-linear): so
-        # are the flags' compared. Flags that match no module, or an unreadable --model: check_trainer says so.
-        if model_shape_error(args) is None:
-            with contextlib.suppress(ValueError):
-                ours = set(lora_model(args).peft_config["default"].target_modules)
-                theirs = set(config.get("target_modules") or [])
-                if ours != theirs:  # named by kind: all-linear resolves to every layer's modules by path
-                    saved_on, flags_on = (" ".join(sorted({n.split(".")[-1] for n in names})) for names in (theirs, ours))
-                    differ.append(f"target_modules {saved_on} (flags: {flags_on})")
-        return (f"{checkpoint} holds an adapter of another shape: {', '.join(differ)}; resume with the run's "
-                "--lora-* flags") if differ else None
-    if checkpoint is None or args.use_peft == saved.is_file():
-        return None
-    if args.use_peft:
-        return (f"{checkpoint} holds full weights, not a LoRA adapter: resume it without --use-peft, or start a "
-                "LoRA run in a new --output-dir")
-    return f"{checkpoint} holds a LoRA adapter: resume it with --use-peft (and the run's --lora-* flags)"
+def preflight(pf: Preflight) -> dict[str, Any]:
+    """Each check whose needs hold, in order; the plan that training takes from them."""
+    for check in PREFLIGHT_CHECKS:
+        if all(getattr(pf, need) for need in check.needs):
+            check.run(pf)
+    return pf.plan
 
 
 # --- Measure and curate: pass rates per task, and the tasks that can teach --------------------------------------------
@@ -3499,6 +3651,87 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
         staging.rmdir()
 
 
+# Which checkpoint a resume continues (the preflight's resume row asks before any weights load), beside the save that
+# writes them: what _save_checkpoint publishes whole is what checkpoint_problem reads.
+def numbered_checkpoints(output_dir: str) -> list[Path]:
+    """checkpoint-N dirs, newest first, as transformers rotates them (its get_last_checkpoint gives only the newest)."""
+    return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a resume from `path` would fail, or None. Only the state files this script reads are checked: every file of
+    a checkpoint-N is complete once it exists (the staged rename, HarborGRPOTrainer._save_checkpoint), so what remains
+    is a path that is no checkpoint of this script, or state files damaged since."""
+    try:
+        int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+        rollout = json.loads((path / "rollout_state.json").read_text())
+        int(rollout["prompt_index"])
+        [int(visit) for visit in rollout.get("pending", [])]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest checkpoint a resume can use; each newer one that is corrupt or partial is skipped with a warning."""
+    for path in numbered_checkpoints(output_dir):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return str(path)
+        print(f"warning: skipping {path}: {problem}; trying the checkpoint before it", file=sys.stderr)
+    return None
+
+
+def resolve_resume(args: argparse.Namespace) -> str | None:
+    if args.resume is None:
+        if numbered_checkpoints(args.output_dir):
+            raise UsageError(f"{args.output_dir} already holds checkpoints of another run; pass --resume to "
+                             "continue it, or a new --run-name / --output-dir")
+        return None
+    if args.resume in ("latest", "auto"):
+        path = latest_checkpoint(args.output_dir)
+        if path is None and numbered_checkpoints(args.output_dir):
+            # Starting over would write over them; a human should look first.
+            raise UsageError(f"--resume: no usable checkpoint in {args.output_dir} (see the warnings above); "
+                             "repair one, or remove them to start over")
+        if path is None and args.resume == "latest":
+            raise UsageError(f"--resume: no checkpoint-N in {args.output_dir}; pass the run's --run-name or "
+                             "--output-dir, or a checkpoint path")
+        return path
+    if problem := checkpoint_problem(Path(args.resume)):
+        raise UsageError(f"--resume {args.resume}: not a usable checkpoint ({problem})")
+    return args.resume
+
+
+def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | None:
+    """A LoRA checkpoint resumed without --use-peft, or full weights with it: transformers would load nothing. Or one
+    of other --lora-* flags: PEFT loads the weights into the adapter the flags built without reading the saved config,
+    so another rank fails on shapes and another alpha silently rescales every push."""
+    saved = Path(checkpoint or "") / "adapter_config.json"
+    if checkpoint is not None and args.use_peft and saved.is_file():
+        config = json.loads(saved.read_text())
+        flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
+        differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
+                  if config.get(key) != value]
+        # PEFT saves the modules it resolved its target_modules to (its default for the architecture, all-linear): so
+        # are the flags' compared. Flags that match no module, or an unreadable --model: check_trainer says so.
+        if model_shape_error(args) is None:
+            with contextlib.suppress(ValueError):
+                ours = set(lora_model(args).peft_config["default"].target_modules)
+                theirs = set(config.get("target_modules") or [])
+                if ours != theirs:  # named by kind: all-linear resolves to every layer's modules by path
+                    saved_on, flags_on = (" ".join(sorted({n.split(".")[-1] for n in names})) for names in (theirs, ours))
+                    differ.append(f"target_modules {saved_on} (flags: {flags_on})")
+        return (f"{checkpoint} holds an adapter of another shape: {', '.join(differ)}; resume with the run's "
+                "--lora-* flags") if differ else None
+    if checkpoint is None or args.use_peft == saved.is_file():
+        return None
+    if args.use_peft:
+        return (f"{checkpoint} holds full weights, not a LoRA adapter: resume it without --use-peft, or start a "
+                "LoRA run in a new --output-dir")
+    return f"{checkpoint} holds a LoRA adapter: resume it with --use-peft (and the run's --lora-* flags)"
+
+
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
                   plan: dict[str, Any] | None = None):
     config = args.config
@@ -3560,8 +3793,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code, plan = None, {}
         if rank == 0:
-            pf = Preflight()
-            plan = preflight(args, pf, server)
+            pf = Preflight(args, server)
+            plan = preflight(pf)
             pf.print()
             if pf.failures:
                 print(pf.error_line(), file=sys.stderr)

@@ -34,6 +34,18 @@ def refused_with(proc, check: str, *needles: str) -> None:
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+def test_every_check_says_what_it_protects_from_and_the_docs_list_its_rows_in_table_order():
+    # docs/troubleshooting.md's row table mirrors the script's PREFLIGHT_CHECKS: the rows in the order --check prints
+    # them, each check with the line that says what it protects the user from.
+    checks = load_script().PREFLIGHT_CHECKS
+    assert all(check.protects.strip() and check.rows for check in checks), checks
+    printed = [row for check in checks for row in check.rows]
+    printed = [row for i, row in enumerate(printed) if not i or printed[i - 1] != row]  # Harbor server: skip or check
+    doc = (SCRIPT.parent / "docs" / "troubleshooting.md").read_text().split("## Preflight rows", 1)[1]
+    cells = [line.split(" | ")[0].removeprefix("| ") for line in doc.splitlines() if line.startswith("| ")][1:]
+    assert [row.removesuffix(" (local)") for cell in cells for row in cell.split(", ")] == printed
+
+
 def test_a_healthy_setup_passes_and_an_external_server_is_used_as_is(rig, tmp_path):
     proc = run_main([*rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--check"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -55,6 +67,9 @@ def test_a_healthy_setup_passes_and_an_external_server_is_used_as_is(rig, tmp_pa
     assert rows["reward key"][0] == "SKIP" and "--probe-rollout" in rows["reward key"][1]
     assert not (tmp_path / "out" / "harbor_server.log").exists()
     assert "async_grpo_harbor\n" not in proc.stdout, "training set-up started"
+    # Each row where PREFLIGHT_CHECKS declares it, in its order.
+    declared = iter(row for check in load_script().PREFLIGHT_CHECKS for row in check.rows)
+    assert all(row in declared for row in rows), list(rows)
 
 
 def test_probe_rollout_on_its_own_server_confirms_the_reward_key_then_stops_the_server(rig, tmp_path):
@@ -154,8 +169,11 @@ def test_on_a_gpu_the_served_dtype_is_judged_against_bf16_autocast_whatever_the_
     rows = {}
     for served, dtype in [("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float32", "float32"),
                           ("float16", "float16")]:
-        pf = script.Preflight()
-        script.check_dtype(script.parse_args(["--model", str(tiny_model), "--dtype", dtype]), pf, served, on_gpu=True)
+        args = script.parse_args(["--model", str(tiny_model), "--dtype", dtype])
+        args.bf16 = True  # what the config says on a GPU
+        pf = script.Preflight(args)
+        pf.served, pf.vllm_config = {"dtype": served}, {}  # vLLM's /server_info answered
+        script.check_dtype(pf)
         rows[served, dtype] = pf.rows[0]
     assert rows["bfloat16", "float32"][1:3] == ("PASS", "vLLM serves bfloat16 and the trainer scores under bfloat16 "
                                                 "autocast; the trainer's weights are float32 (--dtype float32), "

@@ -142,8 +142,10 @@ def test_a_cpu_trainer_beside_an_ipc_vllm_is_refused(monkeypatch):
 
     monkeypatch.setattr(reductions, "reduce_tensor", reductions.reduce_tensor._agh_original)
     script = load_script()
-    pf = script.Preflight()
-    script.check_trainer_gpus(pf, "ipc", "http://127.0.0.1:8000")
+    pf = script.Preflight(script.parse_args(["--vllm-url", "http://127.0.0.1:8000"]))
+    pf.served = {"weight_transfer": "ipc"}
+    script.check_trainer_gpu(pf)
+    script.check_same_gpu(pf)
     rows = {check: (status, detail, fix) for check, status, detail, fix in pf.rows}
     status, detail, fix = rows["trainer GPU"]
     assert status == "FAIL" and "CUDA IPC cannot push weights from a CPU trainer" in detail, detail
@@ -160,10 +162,12 @@ def test_under_mig_the_same_gpu_row_says_it_could_not_verify_instead_of_failing(
     from types import SimpleNamespace
 
     script = load_script()
+    pf = script.Preflight(script.parse_args(["--vllm-url", "http://127.0.0.1:8000"]))
+    monkeypatch.setattr(script.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(script.torch.cuda, "get_device_properties",
                         lambda device=None: SimpleNamespace(uuid=trainer, name=name))
-    pf = script.Preflight()
-    script.check_same_gpu(pf, {listed: [(999999, "VLLM::EngineCore", 40.0)]}, "http://127.0.0.1:8000")
+    pf.gpu_apps = {listed: [(999999, "VLLM::EngineCore", 40.0)]}  # what nvidia-smi lists
+    script.check_same_gpu(pf)
     (check, status, detail, fix), = pf.rows
     assert (check, status) == ("same GPU", "WARN"), (status, detail)
     assert "could not be verified" in detail and "MIG-<UUID" in fix, (detail, fix)

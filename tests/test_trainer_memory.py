@@ -104,13 +104,12 @@ def memory_row(script, argv: list[str], max_model_len: int | None, engine: tuple
                monkeypatch) -> tuple[str, str, str, dict]:
     """The row, for a GPU with this much free of this total, as the driver would say."""
     monkeypatch.setenv(cpu_trainer.GPU_MEMORY_ENV, f"{free_gib},{total_gib}")
-    args = script.parse_args(argv)
-    pf = script.Preflight()
-    facts = script.check_trainer_memory(args, pf, script.trainer_shape(args), {"max_model_len": max_model_len},
-                                        engine)
+    pf = script.Preflight(script.parse_args(argv))
+    pf.served = {"max_model_len": max_model_len, "weight_transfer": engine[0], "gpu_memory_utilization": engine[1]}
+    script.check_trainer_memory(pf)
     (check, status, detail, fix), = pf.rows
     assert check == "trainer memory"
-    return status, detail, fix, facts
+    return status, detail, fix, {k: v for k, v in pf.plan.items() if k != "resume"}
 
 
 def test_a_trainer_too_large_for_its_gpu_is_refused_before_any_rollout_with_the_flags_that_fit(make_rig, tmp_path):
