@@ -321,3 +321,14 @@ def test_every_test_a_doc_names_exists():
     missing = sorted(f"{path}: {name}" for path, name in named if name.removeprefix("tests/") not in defined)
     assert not missing, missing
 
+
+
+def test_what_the_readme_says_you_will_see_is_copied_from_the_gpu_run_it_links():
+    """The README's sample output is a real GPU run's, not the CPU rig's nor edited: each of its lines stands, as it
+    is, in the log the section links from bench/results."""
+    section = (ROOT / "README.md").read_text().split("## What you will see", 1)[1].split("\n## ", 1)[0]
+    [log] = re.findall(r"\]\((bench/results/[^)]+\.log)\)", section)
+    assert "gpu" in log, log
+    [block] = re.findall(r"```\n(.*?)```", section, flags=re.S)
+    recorded = set((ROOT / log).read_text().splitlines())
+    assert [line for line in block.splitlines() if line not in recorded] == []
