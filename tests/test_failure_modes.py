@@ -64,7 +64,7 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("how", ["trainer-only", "process-group", "trainer-sigkill"])
 def test_a_stop_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, how):
-    # trainer-only: `kill <pid>`, which used to orphan the rollout child (it went on starting rollouts).
+    # trainer-only: `kill <pid>`, which must not orphan the rollout child (an orphan goes on starting rollouts).
     # process-group: what SLURM and Ctrl-C do; the child must not die before it released its server sessions.
     # trainer-sigkill: the OOM killer; no cleanup of the trainer's runs, the child must still leave and release them.
     # Tasks whose every group scores alike, kept out of training as by default: no sample ever reaches the trainer,
