@@ -1272,7 +1272,7 @@ def lora_model(args: argparse.Namespace):
     from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
 
     with torch.device("meta"), warnings.catch_warnings():
-        # PEFT's warning about an adapter on tied embeddings: check_trainer refuses them in one line instead.
+        # PEFT's warning about an adapter on tied embeddings: check_lora_targets refuses them in one line instead.
         warnings.filterwarnings("ignore", message="Model (has|with) `tie_word_embeddings=True`")
         return get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)),
                               peft_config(args))
@@ -1479,9 +1479,13 @@ class Preflight:
         self.vllm_config: dict[str, Any] | None = None  # its resolved config (/server_info: dev mode only)
         self.vllm_env: dict[str, Any] = {}  # its environment as /server_info reports it
         self.llm_report: Any = None  # OpenEnv's probe of vLLM (validate_llm)
-        self.gpu_apps: dict[str, list[tuple[int, str, float]]] | None = None  # nvidia-smi's processes by GPU
         self.capabilities: dict[str, Any] | None = None  # the Harbor server's, once it answers
         self.splits: list[dict[str, Any]] = []  # the splits it serves
+
+    @functools.cached_property
+    def gpu_apps(self) -> dict[str, list[tuple[int, str, float]]] | None:
+        """nvidia-smi's processes by GPU UUID (None: no nvidia-smi answers), asked once for the checks that read it."""
+        return gpu_processes()
 
     def add(self, check: str, status: str, detail: str, fix: str = "") -> bool:
         self.rows.append((check, status, redact(detail), fix))
@@ -1994,7 +1998,7 @@ def check_trainer_gpu(pf: Preflight) -> None:
         return
     fix = ("give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, CUDA_VISIBLE_DEVICES=1 "
            "for this script (NCCL refuses two ranks on one device)")
-    pf.gpu_apps = apps = gpu_processes()
+    apps = pf.gpu_apps
     # The trainer's ranks on this node take the first visible GPUs, one each.
     local = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()) if apps is not None else 0
     held, shared, free = [], [], []
@@ -3714,7 +3718,7 @@ def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | Non
         differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
                   if config.get(key) != value]
         # PEFT saves the modules it resolved its target_modules to (its default for the architecture, all-linear): so
-        # are the flags' compared. Flags that match no module, or an unreadable --model: check_trainer says so.
+        # are the flags' compared. Flags that match no module, or an unreadable --model: the LoRA targets row says so.
         if model_shape_error(args) is None:
             with contextlib.suppress(ValueError):
                 ours = set(lora_model(args).peft_config["default"].target_modules)
@@ -3753,7 +3757,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
         max_zero_variance_groups=args.max_zero_variance_groups, groups_per_pass=len(dataset),
         groups_path=str(accounting.groups_path),
     )
-    # vLLM's --weight-transfer-config decided the backend (check_engine); nccl is TRL's own WeightTransferClient.
+    # vLLM's --weight-transfer-config decided the backend (check_weight_transfer); nccl: TRL's WeightTransferClient.
     transfer = (CudaIpcWeightTransfer(args.vllm_url, config.weight_sync_timeout)
                 if (plan or {}).get("weight_transfer") == "ipc" else None)
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
