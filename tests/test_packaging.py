@@ -332,3 +332,45 @@ def test_what_the_readme_says_you_will_see_is_copied_from_the_gpu_run_it_links()
     [block] = re.findall(r"```\n(.*?)```", section, flags=re.S)
     recorded = set((ROOT / log).read_text().splitlines())
     assert [line for line in block.splitlines() if line not in recorded] == []
+
+
+def script_functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function of the script with its qualified name (`Class.method`)."""
+    found = []
+    for node in ast.parse(SCRIPT.read_text()).body:
+        for inner in [node, *(node.body if isinstance(node, ast.ClassDef) else [])]:
+            if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((f"{node.name}.{inner.name}" if inner is not node else inner.name, inner))
+    return found
+
+
+def test_no_class_is_defined_inside_a_function():
+    """A class inside a function closes over its locals, cannot be pickled into TRL's rollout child, and hides from
+    a reader who scans the module."""
+    nested = [f"{name}: class {inner.name} (line {inner.lineno})" for name, function in script_functions()
+              for inner in ast.walk(function) if isinstance(inner, ast.ClassDef)]
+    assert nested == []
+
+
+# Where a process boundary passes only text, the one place that parses it: TRL's failure channel from the rollout
+# child ("Name: message"), and TRL's VLLMClient, which raises a bare Exception holding vLLM's HTTP answer.
+PARSES_TEXT_OF = {"stop_from_child", "CudaIpcWeightTransfer.send_weights"}
+MESSAGE_READS = {"partition", "rpartition", "startswith", "endswith", "find", "index", "count"}
+
+
+def test_no_control_flow_reads_an_exception_message_outside_the_one_parser_of_each_boundary():
+    """Errors carry their kind as a type: a decision taken on str(exc) breaks silently when a library rewords it.
+    Showing the message to the user is fine; comparing it, matching it or splitting it into parts is a read."""
+    readers = set()
+    for name, function in script_functions():
+        caught = {n.name for n in ast.walk(function) if isinstance(n, ast.ExceptHandler) and n.name} | \
+            {arg.arg for arg in function.args.args if arg.arg in ("exc", "error")}
+        for node in ast.walk(function):
+            reads = isinstance(node, ast.Compare) or isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and (getattr(node.func.value, "id", "") == "re" or node.func.attr in MESSAGE_READS)
+            if reads and any(isinstance(inner, ast.Call) and getattr(inner.func, "id", "") == "str" and inner.args
+                             and any(isinstance(n, ast.Name) and n.id in caught for n in ast.walk(inner.args[0]))
+                             for inner in ast.walk(node)):
+                readers.add(name)
+    assert readers - PARSES_TEXT_OF == set()
+    assert PARSES_TEXT_OF <= readers, "each parser of a boundary's text is found by this test"
