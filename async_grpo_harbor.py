@@ -997,6 +997,7 @@ class HarborSessionFactory(ResourceSessionFactory):
         self._consecutive_failures = 0
         self._outage_since: float | None = None  # since when the server has not answered (monotonic)
         self.live_sessions: set[HarborSession] = set()
+        self.closing = False
         if multiprocessing.parent_process() is not None and threading.current_thread() is threading.main_thread():
             self._guard_rollout_child()
 
@@ -1021,9 +1022,7 @@ class HarborSessionFactory(ResourceSessionFactory):
         threading.Thread(target=leave_with_trainer, name="harbor-trainer-watch", daemon=True).start()
 
     def _abandon(self, exit_code: int) -> None:
-        sessions = list(self.live_sessions)
-        for session in sessions:
-            session.close()
+        sessions = self.close_sessions()
         # A create still in flight releases its slot when it returns (open()); os._exit would end it first, and
         # a trainer SIGKILLed as the next group starts would leave the server's slots taken.
         deadline = time.monotonic() + 10.0
@@ -1035,7 +1034,18 @@ class HarborSessionFactory(ResourceSessionFactory):
         # `seed` is TRL's group counter: only a label here, the task itself comes from the prompt.
         session = HarborSession(self, list(task), seed)
         self.live_sessions.add(session)
+        if self.closing:  # read after the add: close_sessions() either closes this session or set the flag first
+            session.close()
         return session
+
+    def close_sessions(self) -> list[HarborSession]:
+        """Release the server sessions of every rollout, those that start from now on included: closing one lets its
+        thread start the next queued rollout at once, whose session would otherwise hold a slot nobody releases."""
+        self.closing = True
+        sessions = list(self.live_sessions)
+        for session in sessions:
+            session.close()
+        return sessions
 
     def _say(self, line: str) -> None:
         with self._lock:  # rollouts finish on several threads at once
@@ -2670,8 +2680,7 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
     finally:
         if stop_reason is not None:  # release the server's slots, keep what finished
             pool.shutdown(wait=False, cancel_futures=True)  # before the sessions close: no queued rollout starts after
-            for session in list(factory.live_sessions):
-                session.close()
+            factory.close_sessions()
         pool.shutdown(wait=True, cancel_futures=True)
         progress.close()
     rows = [pass_rate_row(units[unit]["prompt"][0], args.sandbox, sessions)

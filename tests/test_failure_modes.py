@@ -118,6 +118,60 @@ def test_a_stop_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, how):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+ROLLOUT_THREADS = 4
+
+
+def keep_starting_rollouts(factory, prompt, holding) -> None:
+    """One of TRL's session-pool threads, reduced to what holds a server slot: as soon as its rollout's session is
+    closed it takes the next rollout, as TRL's pool does with its queue."""
+    while True:
+        session = factory.create(prompt, 0)
+        try:
+            session._client.open()
+        except RuntimeError:  # closed before it opened: it never took a slot
+            continue
+        holding.release()
+        session._client.closed_event.wait()
+        session.close()
+
+
+def rollout_child(harbor_url: str, prompt, holding) -> None:
+    from test_preemption import agh
+
+    factory = agh.HarborSessionFactory(  # built in a child's main thread, as in TRL's rollout child: it guards it
+        harbor_url=harbor_url, harness="mini-swe-agent", sandbox="local", reward_key="correct,reward",
+        agent_step_limit=6, agent_timeout_s=60, max_consecutive_failures=3,
+        sampling=agh.training_sampling({"temperature": 0.7}))
+    for _ in range(ROLLOUT_THREADS):
+        threading.Thread(target=keep_starting_rollouts, args=(factory, prompt, holding), daemon=True).start()
+    time.sleep(600)  # the main thread, where the SIGTERM lands
+
+
+def test_a_rollout_child_stopped_while_its_rollouts_keep_starting_leaves_no_server_session(rig):
+    """A stopped rollout child (SIGTERM from SLURM or Ctrl-C, or its trainer gone) closes its sessions; each close
+    frees a pool thread, which starts the next queued rollout at once. That rollout's session must not outlive the
+    child either: a slot left taken on the Harbor server is one the next run cannot have."""
+    from test_preemption import agh
+
+    task = next(t for t in agh.fetch_catalogue(rig.harbor_url, rig.split) if t["task_name"] == "echo-hello")
+    prompt = agh.task_rows([task], rig.split, ["mini-swe-agent"])[0]["prompt"]
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(5):  # the next rollout races the child's exit: several stops, each must leave nothing
+        holding = ctx.Semaphore(0)
+        child = ctx.Process(target=rollout_child, args=(rig.harbor_url, prompt, holding), daemon=True)
+        child.start()
+        try:
+            for _ in range(ROLLOUT_THREADS):
+                assert holding.acquire(timeout=120), "the child's rollouts never took their server sessions"
+            os.kill(child.pid, signal.SIGTERM)
+            child.join(120)  # a guard against a hang, not a time limit
+            assert child.exitcode == 128 + signal.SIGTERM
+        finally:
+            if child.is_alive():
+                child.kill()
+        assert_all_slots_free(rig)
+
+
 def hand_over_a_sample(samples) -> None:
     samples.put(b"x" * (8 << 20))  # far more than a pipe holds: written while the trainer reads it
     time.sleep(600)
