@@ -740,8 +740,19 @@ class HarborServerSession:
         self.session_id: str | None = None
         self.closed = False
         self.closed_event = threading.Event()
-        self.settled = threading.Event()  # no create call in flight: once closed, this session holds no server slot
+        self._slot_calls = 0  # create and close calls in flight: each may hold a server slot until it returns
+        self.settled = threading.Event()  # set while none is: once closed, this session then holds no server slot
         self.settled.set()
+
+    def _begin_slot_call(self) -> None:  # with self._lock held
+        self._slot_calls += 1
+        self.settled.clear()
+
+    def _end_slot_call(self) -> None:
+        with self._lock:
+            self._slot_calls -= 1
+            if not self._slot_calls:
+                self.settled.set()
 
     def _open_connection(self, **overrides: Any) -> http.client.HTTPConnection:
         conn = self._connect(**overrides)
@@ -798,7 +809,8 @@ class HarborServerSession:
     def open(self) -> None:
         if self.session_id is not None:
             return
-        self.settled.clear()
+        with self._lock:
+            self._begin_slot_call()
         try:
             session_id = self._call_once("openenv/session/create", {}, interruptible=False)["session_id"]
             with self._lock:
@@ -807,7 +819,7 @@ class HarborServerSession:
             if closed:  # close() ran while the slot was being created: it could not release what it did not know
                 self._release(session_id)
         finally:
-            self.settled.set()
+            self._end_slot_call()
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
         self.open()
@@ -821,19 +833,29 @@ class HarborServerSession:
             self.closed = True
             waiting = self._waiting.sock if self._waiting is not None else None
             session_id = self.session_id
+            if session_id is not None:
+                self._begin_slot_call()  # under the lock that marks it closed: settled never reads free meanwhile
         self.closed_event.set()
         if waiting is not None:
             with contextlib.suppress(OSError):
                 waiting.shutdown(socket.SHUT_RDWR)
         if session_id is not None:
-            self._release(session_id)
+            try:
+                self._release(session_id)
+            finally:
+                self._end_slot_call()
 
     def renew(self) -> None:
         """Drop this session (the server lost it, or may still hold it: release it) so the next call opens a new one."""
         with self._lock:
             session_id, self.session_id = self.session_id, None
+            if session_id is not None:
+                self._begin_slot_call()
         if session_id is not None:
-            self._release(session_id)
+            try:
+                self._release(session_id)
+            finally:
+                self._end_slot_call()
 
     def _release(self, session_id: str) -> None:
         # Failing: the server is gone (its slots went with it) or already dropped the session.
@@ -965,8 +987,9 @@ class HarborSession(ResourceSession):
                             metrics={"wall_s": r.wall_s, "turns": r.n_turns, **r.phase_timings})
 
     def close(self) -> None:
-        self._factory.live_sessions.discard(self)
         self._client.close()
+        # Only once released: a stop waits on every live session's `settled`, this one's release included.
+        self._factory.live_sessions.discard(self)
 
 
 class HarborSessionFactory(ResourceSessionFactory):
@@ -1022,9 +1045,12 @@ class HarborSessionFactory(ResourceSessionFactory):
         threading.Thread(target=leave_with_trainer, name="harbor-trainer-watch", daemon=True).start()
 
     def _abandon(self, exit_code: int) -> None:
+        # A second SIGTERM (the trainer's own stop, a second `kill`) would run this again inside the wait below, and
+        # exit before the releases the first one is waiting for.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sessions = self.close_sessions()
-        # A create still in flight releases its slot when it returns (open()); os._exit would end it first, and
-        # a trainer SIGKILLed as the next group starts would leave the server's slots taken.
+        # A create or release still in flight ends with the slot free; os._exit would cut it short, and a trainer
+        # SIGKILLed as the next group starts would leave the server's slots taken.
         deadline = time.monotonic() + 10.0
         for session in sessions:
             session._client.settled.wait(max(0.0, deadline - time.monotonic()))
@@ -1039,8 +1065,8 @@ class HarborSessionFactory(ResourceSessionFactory):
         return session
 
     def close_sessions(self) -> list[HarborSession]:
-        """Release the server sessions of every rollout, those that start from now on included: closing one lets its
-        thread start the next queued rollout at once, whose session would otherwise hold a slot nobody releases."""
+        """Release the server session of every rollout, and close any session created from now on at once: a rollout
+        submitted as the stop began creates its session after this snapshot. The factory is done with after this."""
         self.closing = True
         sessions = list(self.live_sessions)
         for session in sessions:
@@ -2679,7 +2705,7 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
         stop_reason, interrupted = "interrupted", exc
     finally:
         if stop_reason is not None:  # release the server's slots, keep what finished
-            pool.shutdown(wait=False, cancel_futures=True)  # before the sessions close: no queued rollout starts after
+            pool.shutdown(wait=False, cancel_futures=True)  # before the sessions close: the queued rollouts never start
             factory.close_sessions()
         pool.shutdown(wait=True, cancel_futures=True)
         progress.close()

@@ -121,49 +121,55 @@ def test_a_stop_mid_rollout_leaves_no_child_and_no_session(rig, tmp_path, how):
 ROLLOUT_THREADS = 4
 
 
-def keep_starting_rollouts(factory, prompt, holding) -> None:
-    """One of TRL's session-pool threads, reduced to what holds a server slot: as soon as its rollout's session is
-    closed it takes the next rollout, as TRL's pool does with its queue."""
+def keep_starting_rollouts(factory, prompt, started, hold: bool) -> None:
+    """One of TRL's session-pool threads, reduced to what takes and frees a server slot: rollout after rollout, each
+    ending at once (its own close releases the slot) or, with `hold`, running until the stop closes it."""
+    first = True
     while True:
         session = factory.create(prompt, 0)
         try:
             session._client.open()
-        except RuntimeError:  # closed before it opened: it never took a slot
-            continue
-        holding.release()
-        session._client.closed_event.wait()
+        except RuntimeError:  # closed before it opened: the stop has begun
+            return
+        if first:
+            started.release()
+            first = False
+        if hold:
+            session._client.closed_event.wait()
         session.close()
 
 
-def rollout_child(harbor_url: str, prompt, holding) -> None:
+def rollout_child(harbor_url: str, prompt, started) -> None:
     from test_preemption import agh
 
     factory = agh.HarborSessionFactory(  # built in a child's main thread, as in TRL's rollout child: it guards it
         harbor_url=harbor_url, harness="mini-swe-agent", sandbox="local", reward_key="correct,reward",
         agent_step_limit=6, agent_timeout_s=60, max_consecutive_failures=3,
         sampling=agh.training_sampling({"temperature": 0.7}))
-    for _ in range(ROLLOUT_THREADS):
-        threading.Thread(target=keep_starting_rollouts, args=(factory, prompt, holding), daemon=True).start()
+    for n in range(ROLLOUT_THREADS):
+        threading.Thread(target=keep_starting_rollouts, args=(factory, prompt, started, n % 2 == 0),
+                         daemon=True).start()
     time.sleep(600)  # the main thread, where the SIGTERM lands
 
 
 def test_a_rollout_child_stopped_while_its_rollouts_keep_starting_leaves_no_server_session(rig):
-    """A stopped rollout child (SIGTERM from SLURM or Ctrl-C, or its trainer gone) closes its sessions; each close
-    frees a pool thread, which starts the next queued rollout at once. That rollout's session must not outlive the
-    child either: a slot left taken on the Harbor server is one the next run cannot have."""
+    """A stopped rollout child (SIGTERM from SLURM or from its trainer, or its trainer gone) releases every server
+    session before it exits: those of its running rollouts, those closing as their rollouts end, and those of
+    rollouts that start while it stops. A slot left taken on the Harbor server is one the next run cannot have."""
     from test_preemption import agh
 
     task = next(t for t in agh.fetch_catalogue(rig.harbor_url, rig.split) if t["task_name"] == "echo-hello")
     prompt = agh.task_rows([task], rig.split, ["mini-swe-agent"])[0]["prompt"]
     ctx = multiprocessing.get_context("fork")
     for _ in range(5):  # the next rollout races the child's exit: several stops, each must leave nothing
-        holding = ctx.Semaphore(0)
-        child = ctx.Process(target=rollout_child, args=(rig.harbor_url, prompt, holding), daemon=True)
+        started = ctx.Semaphore(0)
+        child = ctx.Process(target=rollout_child, args=(rig.harbor_url, prompt, started), daemon=True)
         child.start()
         try:
             for _ in range(ROLLOUT_THREADS):
-                assert holding.acquire(timeout=120), "the child's rollouts never took their server sessions"
+                assert started.acquire(timeout=120), "the child's rollouts never took their server sessions"
             os.kill(child.pid, signal.SIGTERM)
+            os.kill(child.pid, signal.SIGTERM)  # a second one, as from a trainer that stops the child too
             child.join(120)  # a guard against a hang, not a time limit
             assert child.exitcode == 128 + signal.SIGTERM
         finally:
