@@ -816,6 +816,8 @@ class HarborServerSession:
             with self._lock:
                 self.session_id = session_id
                 closed = self.closed
+                if closed:
+                    self._begin_slot_call()
             if closed:  # close() ran while the slot was being created: it could not release what it did not know
                 self._release(session_id)
         finally:
@@ -834,16 +836,13 @@ class HarborServerSession:
             waiting = self._waiting.sock if self._waiting is not None else None
             session_id = self.session_id
             if session_id is not None:
-                self._begin_slot_call()  # under the lock that marks it closed: settled never reads free meanwhile
+                self._begin_slot_call()
         self.closed_event.set()
         if waiting is not None:
             with contextlib.suppress(OSError):
                 waiting.shutdown(socket.SHUT_RDWR)
         if session_id is not None:
-            try:
-                self._release(session_id)
-            finally:
-                self._end_slot_call()
+            self._release(session_id)
 
     def renew(self) -> None:
         """Drop this session (the server lost it, or may still hold it: release it) so the next call opens a new one."""
@@ -852,19 +851,21 @@ class HarborServerSession:
             if session_id is not None:
                 self._begin_slot_call()
         if session_id is not None:
-            try:
-                self._release(session_id)
-            finally:
-                self._end_slot_call()
+            self._release(session_id)
 
     def _release(self, session_id: str) -> None:
-        # Failing: the server is gone (its slots went with it) or already dropped the session.
-        with contextlib.suppress(OSError, RuntimeError, ValueError):
-            conn = self._open_connection(timeout=10)
-            try:
-                self._post(conn, "openenv/session/close", {"session_id": session_id})
-            finally:
-                conn.close()
+        """Free the server slot of `session_id`. The caller counted this as a slot call (`_begin_slot_call`) under the
+        same lock that gave it the id, so `settled` never reads free before the slot is."""
+        try:
+            # Failing: the server is gone (its slots went with it) or already dropped the session.
+            with contextlib.suppress(OSError, RuntimeError, ValueError):
+                conn = self._open_connection(timeout=10)
+                try:
+                    self._post(conn, "openenv/session/close", {"session_id": session_id})
+                finally:
+                    conn.close()
+        finally:
+            self._end_slot_call()
 
     # `HarborEnv.run_rollout` (its exact wire contract) with its MCP calls riding this session. Not a `HarborEnv`
     # instance: its constructor builds an httpx client a rollout never uses, ~20 ms of CPU per rollout (TLS context).
