@@ -25,17 +25,21 @@ scores the workspace. This script turns each rollout into a GRPO sample and trai
 
 Run it (see README.md for the full walk-through):
 
-    # one GPU. 1. the policy server, bound to this host (the ipc backend unpickles what it is sent), on 0.30 of the
-    #    GPU's total memory: the trainer gets the rest (the preflight's `trainer memory` row checks that it fits)
+    # one GPU (80 GB: LoRA; README.md says what a 141 GB card trains). 1. the policy server, bound to this host (the
+    #    ipc backend unpickles what it is sent), on 0.40 of the GPU's total memory: the trainer gets the rest (the
+    #    preflight's `trainer memory` row checks that it fits)
     VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 \
-        --host 127.0.0.1 --port 8000 --gpu-memory-utilization 0.30 --max-model-len 32768 \
+        --host 127.0.0.1 --port 8000 --gpu-memory-utilization 0.40 --max-model-len 32768 \
         --enable-auto-tool-choice --tool-call-parser hermes \
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"ipc"}'
 
-    # 2. train on the same GPU; starts its own Harbor server (`openenv harbor serve`) on 127.0.0.1 and stops it at exit
-    E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py \
-        --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://127.0.0.1:8000
+    # 2. check everything with one paid rollout, then train on the same GPU; starts its own Harbor server
+    #    (`openenv harbor serve`) on 127.0.0.1 and stops it at exit
+    E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
+        --vllm-url http://127.0.0.1:8000 --use-peft --lora-target-modules all-linear --check --probe-rollout
+    E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
+        --vllm-url http://127.0.0.1:8000 --use-peft --lora-target-modules all-linear
 
     # two GPUs: the policy server on GPU 0, weights pushed over NCCL
     CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 \
@@ -153,6 +157,9 @@ DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
 # EX_TEMPFAIL: "stopped on request, a checkpoint holds everything; relaunch me". SLURM wrappers requeue on it.
 REQUEUE_EXIT_CODE = 75
+# --use-peft's default learning rate: a LoRA update moves the weights through a rank-r product, so it trains at about
+# ten times a full fine-tune's rate (Schulman et al., "LoRA Without Regret", 2025: RL included).
+LORA_LEARNING_RATE = 1e-5
 
 
 # --- Arguments --------------------------------------------------------------------------------------------------------
@@ -272,7 +279,9 @@ class HarborGRPOConfig(AsyncGRPOConfig):
         1024, "Tokens per model call (an agent turn); the Harbor server this script starts caps every turn there "
               "(docs/flags.md).")
     learning_rate: float = arg(1e-6, "AdamW learning rate, constant: rollouts per step vary with their length, so a "
-                                     "decay horizon in steps means little.")
+                                     "decay horizon in steps means little. With --use-peft the default is "
+                                     f"{LORA_LEARNING_RATE:g}: LoRA needs about ten times a full fine-tune's "
+                                     "(docs/flags.md).")
     max_steps: int = arg(500, "Optimizer steps to train; the run's only stop condition (tasks are cycled).")
     eval_steps: float | None = arg(50, "Optimizer steps between held-out evals (--eval-tasks); below 1: that fraction "
                                        "of --max-steps; 0: only before training and after the last step.")
@@ -478,6 +487,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
     if args.use_peft and "dtype" not in given():
         args.dtype = config.dtype = "bfloat16"  # LoRA freezes the base: float32 copies of it would only cost memory
+    if args.use_peft and "learning_rate" not in given():
+        args.learning_rate = config.learning_rate = LORA_LEARNING_RATE
     if args.use_peft and args.lora_r < 1:
         raise UsageError(f"--lora-r must be >= 1 (got {args.lora_r})")
     args.measure = args.eval_only or args.curate == ""

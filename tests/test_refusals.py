@@ -169,6 +169,16 @@ def test_every_trl_field_reaches_the_trainer_config_from_the_command_line():
     assert (config.epsilon, config.max_completion_length) == (0.2, 1024)
 
 
+def test_use_peft_alone_trains_at_loras_learning_rate_on_a_bfloat16_base():
+    """The README's quick start passes --use-peft and no --learning-rate: the adapters must not train at a full
+    fine-tune's 1e-6, ten times too slow for LoRA. A rate or dtype the user gives wins."""
+    lora = trl_config_of(["--run-name", "r", "--use-peft"])
+    assert (lora.learning_rate, lora.dtype) == (1e-5, "bfloat16")
+    given = trl_config_of(["--run-name", "r", "--use-peft", "--learning-rate", "3e-5", "--dtype", "float32"])
+    assert (given.learning_rate, given.dtype) == (3e-5, "float32")
+    assert trl_config_of(["--run-name", "r"]).learning_rate == 1e-6
+
+
 def test_every_flag_parses_by_its_underscored_name_too_as_in_trl_scripts():
     """--help shows --name-with-dashes only; --name_with_underscores, as TrlParser accepts it, still parses, and so
     do HF's booleans (bare, `false`)."""
