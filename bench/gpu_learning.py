@@ -19,11 +19,20 @@ and reports how many are well formed and which candidates they chose. vLLM start
 warm-up runs: TRL pushes the trainer's weights (the warmed ones) before any rollout, so step 1's rollouts are vLLM's
 own samples of the warmed policy, and their malformed count is the check on the engine's side.
 
+Seeds: one warmed model (the fixed starting checkpoint, as an SFT model would be), then one learning run per RL seed
+(`--seeds`: the script's --seed and vLLM's sampling seed) and an lr-0 control per seed (`--control-seeds`), all side
+by side on the card, each with its own vLLM and Harbor server. The vLLMs start one after another, each once the one
+before answers: a vLLM sizes its KV cache by profiling the card's memory, and one that starts while another allocates
+counts the other's memory as its own (on an 80 GB card two at once failed with `No available memory for the cache
+blocks`).
+
 Bound, stated before the run (printed first and kept in the JSON): chance is 1/4; PASS when the solve rate of the
 last LAST_STEPS optimizer steps' rollouts (and any finished after the last step) is >= PASS_RATE, whose probability
 for a policy still at chance is printed for the planned number of rollouts and recomputed for the actual one. The
 control is the same run at learning rate 0, side by side on the same GPU (its own vLLM and Harbor server): it must
-stay at chance.
+stay at chance (its last window's solve count no more surprising at chance than CONTROL_TAIL). The JSON's summary:
+`first` (step 1's solve rate, mean over seeds), `last` (the last window's, the lowest seed's), `control_last` (the
+highest control's), `pass` (every seed passes its bound and every control stays at chance), and `by_seed`.
 
 Per optimizer step (from the last checkpoint's log history and rollouts.jsonl): solve rate, malformed actions (a
 rollout whose agent did not submit on its one turn), TRL's importance ratio mean and bench/ratio_main.py's max/min,
@@ -31,8 +40,8 @@ the clipped fraction, KL, grad norm, and the weight push's seconds (`perf/weight
 gives `fox` (the served weights, read from vLLM every few seconds at the candidate position of a fixed prompt) is
 drawn beside them.
 
-    python bench/gpu_learning.py [--steps 40] [--lr 3e-4] [--deadline-s 240] \
-        [--out bench/results/2026-12-04-h200-one-gpu-learning]
+    python bench/gpu_learning.py [--steps 40] [--lr 1e-4] [--seeds 1,2] [--control-seeds 1,2] [--deadline-s 540] \
+        [--out $OUT/<date>-<card>-one-gpu-learning]
     python bench/gpu_learning.py --warmup-only --device cpu   # the warm-up alone, sampled with transformers
     python bench/gpu_learning.py --report OUT.json            # redraw OUT.png from a finished run's JSON
 
@@ -70,6 +79,8 @@ ANSWERS = ["cat", "dog", "fox", "tag"]
 RIGHT = "fox"  # what tests/rig/tasks/choose/tests/test.sh rewards
 CHANCE = 1 / len(ANSWERS)
 PASS_RATE = 0.6
+# A control whose last window is less likely than this at chance has moved: it fails.
+CONTROL_TAIL = 1e-3
 LAST_STEPS = 3
 GROUP = 8
 GROUPS_PER_STEP = 2
@@ -348,10 +359,10 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_vllm(model: Path, log: Path, share: float) -> tuple[Service, str]:
+def start_vllm(model: Path, log: Path, share: float, seed: int) -> tuple[Service, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", "127.0.0.1", "--port",
-           str(port), "--dtype", "bfloat16", "--max-model-len", "4096", "--gpu-memory-utilization", str(share),
+           str(port), "--seed", str(seed), "--dtype", "bfloat16", "--max-model-len", "4096", "--gpu-memory-utilization", str(share),
            "--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--logprobs-mode",
            "processed_logprobs", "--return-tokens-as-token-ids", "--weight-transfer-config", '{"backend":"ipc"}']
     env = base_env(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
@@ -375,7 +386,8 @@ def start_harbor(work: Path, vllm_url: str, model: Path) -> tuple[Service, str]:
     return service, f"http://127.0.0.1:{port}"
 
 
-def script_args(model: Path, vllm_url: str, harbor_url: str, split: str, out: Path, lr: str, steps: int) -> list[str]:
+def script_args(model: Path, vllm_url: str, harbor_url: str, split: str, out: Path, lr: str, steps: int,
+                seed: int) -> list[str]:
     return ["--model", str(model), "--vllm-url", vllm_url, "--harbor-url", harbor_url, "--dataset", split,
             "--harness", "mini-swe-agent", "--sandbox", "local", "--tasks", TASK, "--report-to", "none",
             "--agent-step-limit", "1", "--max-completion-length", "96", "--agent-timeout", "120",
@@ -383,15 +395,15 @@ def script_args(model: Path, vllm_url: str, harbor_url: str, split: str, out: Pa
             "--token-budget", "0", "--per-device-train-batch-size", str(GROUP * GROUPS_PER_STEP),
             "--micro-batches-per-step", "1", "--max-zero-variance-groups", "0", "--max-staleness", "0",
             "--temperature", "1.0", "--learning-rate", lr, "--max-steps", str(steps), "--save-steps", "1",
-            "--save-total-limit", "2", "--output-dir", str(out)]
+            "--save-total-limit", "2", "--seed", str(seed), "--output-dir", str(out)]
 
 
-def one_run(name: str, model: Path, work: Path, lr: str, steps: int, vllm: Service, vllm_url: str,
+def one_run(name: str, model: Path, work: Path, lr: str, seed: int, steps: int, vllm: Service, vllm_url: str,
             deadline: float, results: dict, tokenizer) -> None:
     """One training run against its own vLLM (already serving `model`'s directory) and its own Harbor server."""
     started = time.monotonic()
     harbor, probe, proc, lines = None, None, None, []
-    result = results[name] = {"learning_rate": lr, "steps_planned": steps}
+    result = results[name] = {"learning_rate": lr, "seed": seed, "steps_planned": steps}
     try:
         served = get_json(f"{vllm_url}/v1/models")["data"][0]["id"]
         harbor, harbor_url = start_harbor(work, vllm_url, model)
@@ -400,7 +412,7 @@ def one_run(name: str, model: Path, work: Path, lr: str, steps: int, vllm: Servi
         probe = ProbeRight(vllm_url, served, tokenizer)
         out = work / "out"
         cmd = [sys.executable, str(ROOT / "bench" / "ratio_main.py"),
-               *script_args(model, vllm_url, harbor_url, split, out, lr, steps)]
+               *script_args(model, vllm_url, harbor_url, split, out, lr, steps, seed)]
         proc = subprocess.Popen(cmd, cwd=work, env=base_env(), text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         reader = threading.Thread(target=lambda: lines.extend(f"{time.time():.2f} {line}" for line in proc.stdout),
@@ -484,46 +496,71 @@ def rate(k: int, n: int) -> float | None:
     return round(k / n, 3) if n else None
 
 
-def summary(results: dict) -> dict:
-    learning, control = results["learning"], results["control"]
+def seed_summary(learning: dict, control: dict | None) -> dict:
     first = learning["steps"][0] if learning.get("steps") else {"solved": 0, "rollouts": 0}
     last = learning.get("last", {"rollouts": 0, "solved": 0})
     ratios = [s["bench/ratio_max"] for s in learning.get("steps", []) if s.get("bench/ratio_max") is not None]
     pushes = [s["perf/weight_sync_s"] for s in learning.get("steps", []) if s.get("perf/weight_sync_s")]
     last_rate = rate(last["solved"], last["rollouts"])
-    return {"first": rate(first["solved"], first["rollouts"]), "last": last_rate,
-            "last_n": last["rollouts"], "control_last": rate(control.get("last", {}).get("solved", 0),
-                                                              control.get("last", {}).get("rollouts", 0)),
+    control_last = (control or {}).get("last", {"rollouts": 0, "solved": 0})
+    control_tail = binomial_tail(control_last["rollouts"], control_last["solved"]) if control_last["rollouts"] else None
+    return {"first": rate(first["solved"], first["rollouts"]), "last": last_rate, "last_n": last["rollouts"],
+            "p_chance": last.get("p_at_chance"),
+            "control_last": rate(control_last["solved"], control_last["rollouts"]),
+            "control_last_n": control_last["rollouts"], "control_p_chance": control_tail,
+            "control_at_chance": None if control is None else bool(control_tail is not None
+                                                                   and control_tail >= CONTROL_TAIL),
             "pass": bool(last_rate is not None and last_rate >= PASS_RATE),
-            "p_chance": last.get("p_at_chance"), "steps": f"{len(learning.get('steps', []))}/"
-                                                          f"{len(control.get('steps', []))}",
-            "malformed": f"{sum(s['malformed'] for s in learning.get('steps', []))}/"
-                         f"{sum(s['malformed'] for s in control.get('steps', []))}",
+            "steps": len(learning.get("steps", [])),
+            "control_steps": None if control is None else len(control.get("steps", [])),
+            "malformed": sum(s["malformed"] for s in learning.get("steps", [])),
+            "control_malformed": None if control is None else sum(s["malformed"] for s in control.get("steps", [])),
             "ratio_max": max(ratios) if ratios else None,
             "push_s": f"{min(pushes):.2f}-{max(pushes):.2f}" if pushes else None}
 
 
-def plot(results: dict, path: Path) -> None:
+def summary(results: dict) -> dict:
+    """Every seed must pass its bound and every control stay at chance: `last` is the lowest seed's last window,
+    `control_last` the highest control's."""
+    seeds = sorted({r["seed"] for r in results.values()})
+    by_seed = {seed: seed_summary(results.get(f"learning-seed{seed}", {}), results.get(f"control-seed{seed}"))
+               for seed in seeds if f"learning-seed{seed}" in results}
+    firsts = [s["first"] for s in by_seed.values() if s["first"] is not None]
+    lasts = [s["last"] for s in by_seed.values()]
+    controls = [s["control_last"] for s in by_seed.values() if s["control_last"] is not None]
+    ratios = [s["ratio_max"] for s in by_seed.values() if s["ratio_max"] is not None]
+    return {"first": round(sum(firsts) / len(firsts), 3) if firsts else None,
+            "last": None if None in lasts or not lasts else min(lasts),
+            "control_last": max(controls) if controls else None,
+            "pass": bool(by_seed) and all(s["pass"] and s["control_at_chance"] is not False for s in by_seed.values())
+            and any(s["control_at_chance"] for s in by_seed.values()),
+            "seeds": len(by_seed), "steps": min((s["steps"] for s in by_seed.values()), default=0),
+            "ratio_max": max(ratios) if ratios else None, "by_seed": by_seed}
+
+
+def plot(results: dict, path: Path, card: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, ratio_ax) = plt.subplots(2, 1, figsize=(8, 9), sharex=True, height_ratios=(3, 2))
-    for name, style in (("learning", "-o"), ("control", "--s")):
-        r = results[name]
+    colors = {}
+    for name, r in sorted(results.items()):
+        learning = name.startswith("learning")
+        color = colors.setdefault(r["seed"], f"C{len(colors)}")
+        style = "-o" if learning else "--s"
         steps = r.get("steps", [])
         xs = [s["step"] for s in steps]
-        ax.plot(xs, [rate(s["solved"], s["rollouts"]) for s in steps], style,
+        ax.plot(xs, [rate(s["solved"], s["rollouts"]) for s in steps], style, color=color, ms=4,
                 label=f"{name} (lr {r['learning_rate']}): solve rate of the step's rollouts")
-        color = ax.lines[-1].get_color()
         ax.plot(xs, [rate(s["malformed"], s["rollouts"]) for s in steps], "x", color=color, alpha=0.6,
-                label=f"{name}: malformed actions (share of the step's rollouts)")
-        if r.get("probe"):
+                label=f"{name}: malformed actions (share)")
+        if r.get("probe") and learning:
             ax.plot([p["after_steps"] for p in r["probe"]], [p["p_right"] for p in r["probe"]], ".", color=color,
                     alpha=0.3, ms=3, label=f"{name}: vLLM's probability of {RIGHT!r} (fixed prompt)")
         timed = [s for s in steps if s.get("bench/ratio_max") is not None]
-        if timed:
+        if timed and learning:
             ratio_ax.fill_between([s["step"] for s in timed], [s["bench/ratio_min"] for s in timed],
                                   [s["bench/ratio_max"] for s in timed], color=color, alpha=0.2)
             ratio_ax.plot([s["step"] for s in timed], [s["ratio"] for s in timed], style, color=color, ms=4,
@@ -532,8 +569,8 @@ def plot(results: dict, path: Path) -> None:
     ax.axhline(PASS_RATE, color="green", lw=0.8, ls=":", label=f"pass: last {LAST_STEPS} steps >= {PASS_RATE}")
     ax.set_ylabel("solve rate / probability")
     ax.set_ylim(-0.05, 1.05)
-    ax.set_title("One H200, vLLM (ipc) and trainer on one card: choose the right word of 4")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.set_title(f"One {card}, vLLM (ipc) and trainer on one card: choose the right word of 4", fontsize=10)
+    ax.legend(fontsize=6, loc="upper left")
     ratio_ax.set_yscale("log")
     ratio_ax.set_xlabel("optimizer step")
     ratio_ax.set_ylabel("pi_new / pi_old per trained token")
@@ -546,41 +583,67 @@ def write(results: dict, out: Path, meta: dict) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".log"), "w") as log:
         log.write(meta.pop("log_text", ""))
-        for name in ("learning", "control"):
-            r = results[name]
+        for name, r in sorted(results.items()):
             log.write(f"===== {name}\n{r.pop('stdout', '')}\n")
             for key in ("vllm.log_tail", "harbor.log_tail"):
                 log.write(f"----- {name} {key}\n{r.pop(key, '')}\n")
     line = summary(results)
     out.with_suffix(".json").write_text(json.dumps({"summary": line, **meta, **results}, indent=1) + "\n")
     try:
-        plot(results, out.with_suffix(".png"))
+        plot(results, out.with_suffix(".png"), meta.get("card", "GPU"))
     except Exception as exc:  # the JSON and log are the record; a missing picture must not lose them
         print(f"warning: no picture: {exc}", file=sys.stderr)
     return line
 
 
+def card_name() -> tuple[str, str]:
+    """The card's name and its short form for file names (h100, h200, ...)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CPU", "cpu"
+    name = torch.cuda.get_device_name(0)
+    short = next((m.lower() for m in re.findall(r"\b([A-Z]\d{2,4})\b", name)), "gpu")
+    return f"{name} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)", short
+
+
+def start_one_after_another(servers: dict, model: Path, work: Path, share: float, log, failed: dict) -> None:
+    """Each vLLM once the one before answers: concurrent starts profile each other's allocations."""
+    for name, seed in servers["plan"]:
+        try:
+            service, url = start_vllm(model, work / name / "vllm.log", share, seed)
+            servers[name] = (service, url)
+            service.wait_ready(timeout=600)
+            log(f"vLLM for {name} ready")
+        except Exception as exc:  # reported with the run; the others still start
+            failed[name] = f"{type(exc).__name__}: {exc}"[:2000]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps planned (the deadline may stop first)")
-    parser.add_argument("--lr", default="3e-4", help="learning rate of the learning run (the control's is 0)")
-    parser.add_argument("--deadline-s", type=float, default=240.0,
-                        help="seconds from start after which both runs are stopped (SIGTERM: a checkpoint is saved)")
+    parser.add_argument("--lr", default="1e-4", help="learning rate of the learning runs (the controls' is 0)")
+    parser.add_argument("--seeds", default="1,2", help="RL seeds, one learning run each (the script's --seed and "
+                                                       "vLLM's)")
+    parser.add_argument("--control-seeds", default=None, help="seeds whose lr-0 control runs beside (default: all)")
+    parser.add_argument("--deadline-s", type=float, default=540.0,
+                        help="seconds from start after which every run is stopped (SIGTERM: a checkpoint is saved)")
     parser.add_argument("--warmup-steps", type=int, default=3000, help="most supervised steps of the warm-up")
     parser.add_argument("--warmup-s", type=float, default=75.0, help="most seconds of the warm-up")
     parser.add_argument("--warmup-contexts", type=int, default=8, help="contexts per warm-up batch (x4 candidates)")
     parser.add_argument("--device", default="cuda", help="where the warm-up runs")
-    parser.add_argument("--share", type=float, default=0.2, help="each vLLM's --gpu-memory-utilization")
+    parser.add_argument("--share", type=float, default=0.15, help="each vLLM's --gpu-memory-utilization")
     parser.add_argument("--work", default="/tmp/gpu-learning", help="scratch directory")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "2026-12-04-h200-one-gpu-learning"),
-                        help="path prefix of the .json, .log and .png written")
+    parser.add_argument("--out", default=None, help="path prefix of the .json, .log and .png written (default: "
+                                                    "bench/results/<date>-<card>-one-gpu-learning)")
     parser.add_argument("--warmup-only", action="store_true", help="build and warm the model, then stop")
     parser.add_argument("--report", metavar="JSON", help="redraw the picture of a finished run")
     args = parser.parse_args()
     if args.report:
         data = json.loads(Path(args.report).read_text())
-        plot(data, Path(args.report).with_suffix(".png"))
-        print("gpu-learn: " + " ".join(f"{k}={v}" for k, v in summary(data).items()))
+        runs = {k: v for k, v in data.items() if isinstance(v, dict) and "seed" in v}
+        plot(runs, Path(args.report).with_suffix(".png"), data.get("card", "GPU"))
+        print("gpu-learn: " + " ".join(f"{k}={v}" for k, v in summary(runs).items() if k != "by_seed"))
         return 0
     t0 = time.monotonic()
     log_lines: list[str] = []
@@ -590,58 +653,78 @@ def main() -> int:
         print(line, flush=True)
         log_lines.append(line + "\n")
 
+    card, short = card_name()
+    seeds = [int(x) for x in args.seeds.split(",")]
+    control_seeds = seeds if args.control_seeds is None else [int(x) for x in args.control_seeds.split(",") if x]
+    out_prefix = Path(args.out or ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{short}-one-gpu-learning")
     planned = LAST_STEPS * GROUP * GROUPS_PER_STEP
-    stated = {**bound(planned), "last_steps": LAST_STEPS, "rollouts_per_step": GROUP * GROUPS_PER_STEP}
-    log(f"bound, before the run: chance {CHANCE}; PASS when the last {LAST_STEPS} steps' rollouts (+ any after) "
-        f"solve >= {PASS_RATE}; for {planned} rollouts that is >= {stated['solves_needed']}, which a policy at "
-        f"chance reaches with probability {stated['p_at_chance']:.2e}")
+    stated = {**bound(planned), "last_steps": LAST_STEPS, "rollouts_per_step": GROUP * GROUPS_PER_STEP,
+              "control_tail": CONTROL_TAIL, "seeds": seeds, "control_seeds": control_seeds,
+              "learning_rate": args.lr, "steps": args.steps}
+    log(f"card: {card}")
+    log(f"bound, before the run: chance {CHANCE}; PASS when, for every seed {seeds} at lr {args.lr}, the last "
+        f"{LAST_STEPS} steps' rollouts (+ any after) solve >= {PASS_RATE}; for {planned} rollouts that is >= "
+        f"{stated['solves_needed']}, which a policy at chance reaches with probability {stated['p_at_chance']:.2e}; "
+        f"and every lr-0 control ({control_seeds}) stays at chance (its last window at least {CONTROL_TAIL:g} "
+        "likely at chance)")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     init = build_model(work)
-    variants = {"learning": args.lr, "control": "0"}
-    servers: dict[str, tuple[Service, str]] = {}
+    variants = {f"learning-seed{seed}": (args.lr, seed) for seed in seeds}
+    variants |= {f"control-seed{seed}": ("0", seed) for seed in control_seeds}
+    servers: dict = {"plan": [(name, seed) for name, (_, seed) in variants.items()]}
+    failed: dict[str, str] = {}
+    starter = None
     if not args.warmup_only:
         # vLLM starts on the initial weights while the warm-up runs: the script's first push, which TRL makes before
         # any rollout, replaces them with the warmed ones (the same directory, rewritten once vLLM has loaded it).
         for name in variants:
             (work / name).mkdir(parents=True, exist_ok=True)
-            servers[name] = start_vllm(init, work / name / "vllm.log", args.share)
+        starter = threading.Thread(target=start_one_after_another,
+                                   args=(servers, init, work, args.share, log, failed), daemon=True)
+        starter.start()
     results: dict = {}
     try:
         warm = warm_up(init, work / "warm", args.device, args.warmup_steps, args.warmup_contexts, args.warmup_s, log)
         log(f"warm-up: {json.dumps(warm)}")
         if args.warmup_only:
             return 0 if warm["format_ok"] else 1
-        for name, (service, _) in servers.items():
-            service.wait_ready(timeout=600)
-        log("vLLM ready (both)")
+        starter.join()
+        log(f"vLLM ready ({len(variants) - len(failed)} of {len(variants)})")
         for f in ("model.safetensors", "config.json"):
             (init / f).write_bytes((work / "warm" / f).read_bytes())
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(init)
         deadline = t0 + args.deadline_s
-        runs = [threading.Thread(target=one_run, args=(name, init, work / name, lr, args.steps, *servers[name],
-                                                       deadline, results, tokenizer)) for name, lr in variants.items()]
+        for name, error in failed.items():
+            results[name] = {"learning_rate": variants[name][0], "seed": variants[name][1], "error": error}
+        runs = [threading.Thread(target=one_run, args=(name, init, work / name, lr, seed, args.steps, *servers[name],
+                                                       deadline, results, tokenizer))
+                for name, (lr, seed) in variants.items() if name not in failed]
         for t in runs:
             t.start()
         for t in runs:
             t.join()
     finally:
-        for service, _ in servers.values():
-            service.stop()
-    for name in variants:
-        r = results[name]
+        if starter is not None:
+            starter.join(timeout=600)
+        for name, value in servers.items():
+            if name != "plan":
+                value[0].stop()
+    for name, r in sorted(results.items()):
         log(f"{name}: exit {r.get('exit')}, error {r.get('error')}, vLLM's samples after the run "
             f"{r.get('after_rl_samples')}")
         for s in r.get("steps", []):
             log(f"{name} step {s['step']}: solved {s['solved']}/{s['rollouts']}, malformed {s['malformed']}, "
                 + ", ".join(f"{k} {s[k]:.4g}" for k in STEP_METRICS if s.get(k) is not None))
-    meta = {"bound_stated_before_the_run": stated, "warm_up": warm, "model_shape": SHAPE, "group": GROUP,
-            "groups_per_step": GROUPS_PER_STEP, "wall_s": round(time.monotonic() - t0, 1),
+    meta = {"card": card, "bound_stated_before_the_run": stated, "warm_up": warm, "model_shape": SHAPE,
+            "group": GROUP, "groups_per_step": GROUPS_PER_STEP, "wall_s": round(time.monotonic() - t0, 1),
             "log_text": "".join(log_lines)}
-    line = write(results, Path(args.out), meta)
-    print("gpu-learn: " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
+    line = write(results, out_prefix, meta)
+    for seed, row in line["by_seed"].items():
+        print(f"gpu-learn seed {seed}: " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    print("gpu-learn: " + " ".join(f"{k}={v}" for k, v in line.items() if k != "by_seed"), flush=True)
     return 0
 
 
