@@ -25,17 +25,17 @@ scores the workspace. This script turns each rollout into a GRPO sample and trai
 
 Run it (see README.md for the full walk-through):
 
-    # one GPU. 1. the policy server, bound to this host (the ipc backend unpickles what it is sent), on 0.30 of the
+    # one GPU. 1. the policy server, bound to this host (the ipc backend unpickles what it is sent), on 0.40 of the
     #    GPU's total memory: the trainer gets the rest (the preflight's `trainer memory` row checks that it fits)
     VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 \
-        --host 127.0.0.1 --port 8000 --gpu-memory-utilization 0.30 --max-model-len 32768 \
+        --host 127.0.0.1 --port 8000 --gpu-memory-utilization 0.40 --max-model-len 32768 \
         --enable-auto-tool-choice --tool-call-parser hermes \
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"ipc"}'
 
     # 2. train on the same GPU; starts its own Harbor server (`openenv harbor serve`) on 127.0.0.1 and stops it at exit
     E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py \
-        --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://127.0.0.1:8000
+        --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://127.0.0.1:8000 --use-peft --lora-target-modules all-linear
 
     # two GPUs: the policy server on GPU 0, weights pushed over NCCL
     CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 \
