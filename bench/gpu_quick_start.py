@@ -98,7 +98,8 @@ def quick_start(readme: Path = README) -> dict:
         raise SystemExit("error: README.md has no ```bash block under '## Quick start'")
     commands = [shlex.split(line, comments=True) for line in block[1].replace("\\\n", " ").splitlines()]
     serve = next(c for c in commands if "vllm" in c and "serve" in c)
-    train = next(c for c in commands if any(t.endswith("async_grpo_harbor.py") for t in c))
+    # The training command: the one before it (with --check) checks the same flags without training.
+    train = next(c for c in commands if any(t.endswith("async_grpo_harbor.py") for t in c) and "--check" not in c)
     at = serve.index("serve", serve.index("vllm"))
     script_at = next(i for i, t in enumerate(train) if t.endswith("async_grpo_harbor.py"))
 
