@@ -41,15 +41,15 @@ Run it (see README.md for the full walk-through):
     E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
         --vllm-url http://127.0.0.1:8000 --use-peft --lora-target-modules all-linear
 
-    # two GPUs: the policy server on GPU 0, weights pushed over NCCL
-    CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 \
-        --max-model-len 32768 --enable-auto-tool-choice --tool-call-parser hermes \
+    # two GPUs: the policy server on GPU 0, bound to this host (its dev-mode routes drive it), weights pushed over NCCL
+    CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --host 127.0.0.1 \
+        --port 8000 --max-model-len 32768 --enable-auto-tool-choice --tool-call-parser hermes \
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"nccl"}'
 
     # ... and the trainer on GPU 1 (never vLLM's)
     CUDA_VISIBLE_DEVICES=1 E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py \
-        --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://localhost:8000
+        --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://127.0.0.1:8000
 
     # check the whole set-up without training (one real rollout with --probe-rollout)
     uv run async_grpo_harbor.py ... --check --probe-rollout

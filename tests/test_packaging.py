@@ -248,6 +248,17 @@ def test_the_one_gpu_vllm_is_bound_to_this_host_and_leaves_the_trainer_its_share
     assert float(flags[flags.index("--gpu-memory-utilization") + 1]) <= 0.5
 
 
+def test_every_vllm_the_docs_run_on_the_trainers_host_is_bound_to_it():
+    """vLLM in dev mode (the weight push needs it) serves /collective_rpc and the weight-transfer routes to whoever
+    reaches its port, whatever the backend: each `vllm serve` a doc or the docstring shows runs beside the trainer and
+    binds loopback (vLLM's default binds every interface). Multi-node runs are slurm/multi_node.sbatch's."""
+    docstring = shell_commands(ast.get_docstring(ast.parse(SCRIPT.read_text())))
+    served = [vllm_serve(c)[1] for c in [*doc_commands(), *docstring] if " vllm serve " in f" {c} "]
+    assert len(served) >= 4, served
+    unbound = [flags for flags in served if "--host" not in flags or flags[flags.index("--host") + 1] != "127.0.0.1"]
+    assert unbound == [], unbound
+
+
 def test_readme_vllm_commands_are_the_ones_the_gpu_tests_serve():
     """tests/gpu proves the README's vLLM flags on real GPUs: each GPU test that declares README_FLAGS serves exactly
     the README command of its weight-transfer backend."""
