@@ -15,7 +15,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from conftest import ROOT, SCRIPT
+from conftest import ROOT, SCRIPT, load_script
 
 # Imported on the GPU path by what the script runs, but not by this script's configuration (none since --use-peft).
 NOT_ON_OUR_PATH: set[str] = set()
@@ -257,6 +257,14 @@ def test_every_vllm_the_docs_run_on_the_trainers_host_is_bound_to_it():
     assert len(served) >= 4, served
     unbound = [flags for flags in served if "--host" not in flags or flags[flags.index("--host") + 1] != "127.0.0.1"]
     assert unbound == [], unbound
+
+
+def test_the_readme_names_the_driver_the_trainer_gpu_row_asks_for():
+    """torch 2.13's wheels (the header's pin) are built for CUDA 13.0: a driver older than its floor leaves torch
+    without a GPU. The README says which driver before anyone rents a card; the row names it when it is missing."""
+    floor = load_script().CUDA_DRIVER_FLOOR[13]
+    gpus = " ".join((ROOT / "README.md").read_text().split("- **Which GPUs**", 1)[1].split("\n- ", 1)[0].split())
+    assert f"built for CUDA 13.0, which needs NVIDIA driver >= {floor} on Linux" in gpus, gpus
 
 
 def test_readme_vllm_commands_are_the_ones_the_gpu_tests_serve():
