@@ -6,6 +6,10 @@
 #     # TRL's tree attention loads its CUDA kernel with it (trl[kernels] also pins it, via transformers' extra)
 #     "kernels>=0.17.2,<0.19",
 #     "openenv[harbor]==0.10.0",
+#     # Exact: openenv[harbor] asks only harbor>=0.22.0, and Harbor decides how sandboxes start and harnesses install.
+#     # The version the tests' Harbor server runs (tests/requirements-server.txt; tests/envs.sh leaves it out of the
+#     # trainer's environment, Python 3.11, as Harbor needs 3.12).
+#     "harbor==0.25.0",
 #     "vllm==0.29.0",
 #     # Exact: the script relies on private names of these and of TRL (each has a `# private:` reason beside it;
 #     # tests/test_private_names.py checks them against these pins). vllm 0.29.0 pins this torch. tests/envs.sh

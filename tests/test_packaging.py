@@ -53,6 +53,7 @@ def test_header_dependencies_resolve_together(tmp_path):
     assert versions["trl"] == "1.16.0"
     assert versions["openenv"] == "0.10.0"
     assert versions["vllm"] == "0.29.0"
+    assert versions["harbor"] == "0.25.0"
     assert {"harbor", "e2b", "trackio", "torch", "transformers"} <= set(versions)
     assert not [p["name"] for p in lock["package"] if "git" in p.get("source", {})], "git dependency"
     # Every module the trainer imports, on the GPU path too, comes from a locked distribution (a module not
@@ -71,8 +72,9 @@ def canonical(name: str) -> str:
 # Libraries whose private code the script calls or overrides (TRL's experimental trainer, transformers' Trainer
 # internals, accelerate's dataloader, torch's default process group): any release may change that code under it.
 PRIVATE_CODE_OVERRIDDEN = {"trl", "transformers", "accelerate", "torch"}
-# Pinned in the header but not installed by the rig: CUDA-only (tests/envs.sh leaves it out).
-NOT_IN_THE_RIG = {"vllm"}
+# Pinned in the header but not installed in the rig's trainer environment (tests/envs.sh leaves them out): vllm is
+# CUDA-only; harbor runs in the Harbor server's environment (Python 3.12), where the test below checks it.
+NOT_IN_THE_RIG = {"vllm", "harbor"}
 
 
 def header_dependencies() -> list[str]:
@@ -104,6 +106,18 @@ def test_the_test_environment_runs_the_versions_the_header_pins():
     again = {canonical(re.split(r"[\[=<>!~;\s]", line.strip(), 1)[0]) for line in listed
              if line.strip() and not line.startswith("#")} & set(pins)
     assert not again, f"tests/requirements-trainer.txt lists {again}, pinned in the script's header"
+
+
+def test_the_harbor_server_of_the_tests_runs_the_harbor_the_header_pins():
+    """openenv[harbor] asks only harbor>=0.22.0; Harbor decides how sandboxes start and harnesses install, so the
+    header pins the one the tests' Harbor server runs."""
+    pins = exact_pins(header_dependencies())
+    served = exact_pins((ROOT / "tests" / "requirements-server.txt").read_text().splitlines())
+    installed = subprocess.run([os.environ["AGH_SERVER_PYTHON"], "-c", "import importlib.metadata as m; "
+                                "print(m.version('harbor'), m.version('openenv'))"],
+                               capture_output=True, text=True, check=True).stdout.split()
+    assert pins.get("harbor") == served["harbor"] == installed[0], (pins.get("harbor"), served, installed)
+    assert pins["openenv"] == installed[1]
 
 
 @functools.cache
