@@ -1916,18 +1916,35 @@ def check_lora_engine(pf: Preflight) -> None:
                "folded in (vLLM runs without --enable-lora)")
 
 
+# What mini-swe-agent 2.4.6 shows the model of a command's output each turn (its config/mini.yaml, which Harbor's
+# install runs with `-c mini`): all of it under 10,000 characters, else the first and the last 5,000.
+MINI_SWE_AGENT_OUTPUT_CHARS = 10_000
+
+
 def check_context(pf: Preflight) -> None:
+    """A rollout's context grows each turn by the completion and by the command output the harness shows back. The
+    completions are capped (--max-completion-length); the output is whatever the policy's commands print, up to the
+    harness's own cut: this row counts the first and names the tokens left for the second."""
     args, max_len = pf.args, pf.served["max_model_len"]
-    worst = args.agent_step_limit * args.max_completion_length
+    turns, completion = args.agent_step_limit, args.max_completion_length
+    worst = PROMPT_TOKENS + turns * completion
+    counted = f"~{PROMPT_TOKENS:,}-token prompt + {turns} turns x {completion} tokens = {worst:,}"
+    if set(args.harnesses) == {"mini-swe-agent"}:
+        output = (f"the command output mini-swe-agent shows back each turn (all of it up to "
+                  f"{MINI_SWE_AGENT_OUTPUT_CHARS:,} characters, else the first and last "
+                  f"{MINI_SWE_AGENT_OUTPUT_CHARS // 2:,})")
+    else:
+        output = "the command output the harness shows back each turn"
     if not max_len:
         pf.add("context", WARN, "vLLM did not report its max_model_len")
     elif worst > max_len:
-        pf.add("context", WARN, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} > "
-               f"vLLM's max_model_len {max_len:,}: a rollout that uses its whole budget ends at the context limit",
+        pf.add("context", WARN, f"{counted} > vLLM's max_model_len {max_len:,}, before {output}: a rollout that uses "
+               "its whole turn budget ends at the context limit",
                "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
     else:
-        pf.add("context", PASS, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} "
-               f"fit max_model_len {max_len:,}, with {max_len - worst:,} left for the prompt and command output")
+        pf.add("context", PASS, f"{counted} fit max_model_len {max_len:,}; {max_len - worst:,} tokens are left for "
+               f"{output}, which depends on the commands and is not counted here: a rollout whose commands print "
+               "more ends at the context limit")
 
 
 def tied_lora_targets(model: Any) -> list[str]:

@@ -257,6 +257,42 @@ def test_on_a_gpu_the_served_dtype_is_judged_against_bf16_autocast_whatever_the_
         assert fix == "serve with vLLM's --dtype bfloat16"
 
 
+def context_row(script, max_model_len: int, *flags: str) -> tuple[str, str]:
+    pf = script.Preflight(script.parse_args(["--vllm-url", "http://127.0.0.1:8000", *flags]))
+    pf.served = {"max_model_len": max_model_len}
+    script.check_context(pf)
+    (_, status, detail, _), = pf.rows
+    return status, detail
+
+
+def test_the_context_row_counts_the_prompt_and_names_the_command_output_it_cannot_count():
+    # Each turn re-sends the conversation: the task's prompt, every completion, and the output of every command the
+    # harness ran, which the policy decides. The defaults leave 548 tokens of a 32k context for all of that output.
+    script = load_script()
+    assert context_row(script, 32_768) == (
+        "PASS", "~1,500-token prompt + 30 turns x 1024 tokens = 32,220 fit max_model_len 32,768; 548 tokens are left "
+                "for the command output mini-swe-agent shows back each turn (all of it up to 10,000 characters, else "
+                "the first and last 5,000), which depends on the commands and is not counted here: a rollout whose "
+                "commands print more ends at the context limit")
+    # The completions alone fit, the prompt with them does not.
+    status, detail = context_row(script, 31_000)
+    assert status == "WARN" and detail.startswith("~1,500-token prompt + 30 turns x 1024 tokens = 32,220 > vLLM's "
+                                                  "max_model_len 31,000, before the command output"), detail
+    assert "the harness shows back" in context_row(script, 32_768, "--harness", "claude-code")[1]
+
+
+def test_the_command_output_the_context_row_names_is_what_the_installed_mini_swe_agent_shows():
+    # Harbor runs mini-swe-agent with `-c mini`: its packaged config/mini.yaml renders each command's output.
+    # Found without importing it (its import prints a banner).
+    where = subprocess.run([os.environ["AGH_SERVER_PYTHON"], "-c", "import importlib.util; print(importlib.util."
+                            "find_spec('minisweagent').submodule_search_locations[0])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    template = open(os.path.join(where, "config", "mini.yaml")).read().split("observation_template:", 1)[1].split("format_error_template:", 1)[0]
+    chars = load_script().MINI_SWE_AGENT_OUTPUT_CHARS
+    assert f"output.output | length < {chars}" in template, template
+    assert f"output.output[:{chars // 2}]" in template and f"output.output[-{chars // 2}:]" in template, template
+
+
 def test_the_precision_row_is_what_adamw_does():
     # What the row (and docs/flags.md under --dtype) says, measured with torch's own AdamW on CPU: at the default
     # learning rate a bfloat16 weight of Qwen3's initializer scale does not move; a float32 one does.
