@@ -324,6 +324,34 @@ def test_what_the_docs_say_of_each_left_out_vllm_flag_is_what_the_gpu_test_prove
         assert text[claim.end():].startswith(", except " + ", ".join(f"`{f}`" for f in unproven)), text
 
 
+def test_the_default_task_list_says_which_dataset_revision_its_indices_mean_and_how_to_pin_one():
+    """openenv 0.10 serves a hub dataset's main branch and takes no revision; a folder it serves as it is. tasks.txt
+    says what its indices mean, and docs/flags.md downloads the suite at one commit and serves that folder, with
+    commands the installed `hf` CLI takes."""
+    script = load_script()
+    revision = [line for line in (ROOT / "tasks.txt").read_text().splitlines() if line.startswith("# Revision:")]
+    assert revision, "tasks.txt names no revision"
+    section = (ROOT / "docs" / "flags.md").read_text().split("### `--dataset`", 1)[1].split("\n## ", 1)[0]
+    commands = doc_commands_of(section)
+    download = shlex.split(next(c for c in commands if c.startswith("hf download ")))
+    assert download[2] == script.DEFAULT_DATASET and download[download.index("--repo-type") + 1] == "dataset"
+    assert download[download.index("--include") + 1] == "tasks/**"  # what openenv's own download fetches
+    assert "--revision" in download
+    run = shlex.split(next(c for c in commands if c.startswith("uv run async_grpo_harbor.py")))
+    assert run[run.index("--dataset") + 1] == download[download.index("--local-dir") + 1]
+    assert run[run.index("--tasks") + 1] == "@tasks.txt"  # beside the script, the clone's root
+    hf = Path(sys.executable).with_name("hf")
+    for command in (download[:2], ["hf", "datasets", "info"]):
+        usage = subprocess.run([str(hf), *command[1:], "--help"], capture_output=True, text=True, timeout=120)
+        assert usage.returncode == 0, usage.stderr
+    usage = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True, timeout=120).stdout
+    assert all(flag in usage for flag in ("--repo-type", "--revision", "--include", "--local-dir")), usage
+
+
+def doc_commands_of(markdown: str) -> list[str]:
+    return [c for block in re.findall(r"```bash\n(.*?)```", markdown, re.S) for c in shell_commands(block)]
+
+
 def test_readme_harbor_server_gets_the_settings_the_script_gives_its_own():
     """A server the user runs must cap each agent turn at --max-completion-length (openenv's default is 8,192, which
     the trainer's memory plan does not expect and the server cannot report) and hold twice --max-inflight
