@@ -6,6 +6,10 @@
 #     # TRL's tree attention loads its CUDA kernel with it (trl[kernels] also pins it, via transformers' extra)
 #     "kernels>=0.17.2,<0.19",
 #     "openenv[harbor]==0.10.0",
+#     # Exact: openenv[harbor] asks only harbor>=0.22.0, and Harbor decides how sandboxes start and harnesses install.
+#     # The version the tests' Harbor server runs (tests/requirements-server.txt; tests/envs.sh leaves it out of the
+#     # trainer's environment, Python 3.11, as Harbor needs 3.12).
+#     "harbor==0.25.0",
 #     "vllm==0.29.0",
 #     # Exact: the script relies on private names of these and of TRL (each has a `# private:` reason beside it;
 #     # tests/test_private_names.py checks them against these pins). vllm 0.29.0 pins this torch. tests/envs.sh
@@ -41,15 +45,15 @@ Run it (see README.md for the full walk-through):
     E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
         --vllm-url http://127.0.0.1:8000 --use-peft --lora-target-modules all-linear
 
-    # two GPUs: the policy server on GPU 0, weights pushed over NCCL
-    CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --port 8000 \
-        --max-model-len 32768 --enable-auto-tool-choice --tool-call-parser hermes \
+    # two GPUs: the policy server on GPU 0, bound to this host (its dev-mode routes drive it), weights pushed over NCCL
+    CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --host 127.0.0.1 \
+        --port 8000 --max-model-len 32768 --enable-auto-tool-choice --tool-call-parser hermes \
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"nccl"}'
 
     # ... and the trainer on GPU 1 (never vLLM's)
     CUDA_VISIBLE_DEVICES=1 E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py \
-        --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://localhost:8000
+        --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://127.0.0.1:8000
 
     # check the whole set-up without training (one real rollout with --probe-rollout)
     uv run async_grpo_harbor.py ... --check --probe-rollout
@@ -1818,22 +1822,33 @@ def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress
 
 
 def check_vllm_on_loopback(pf: Preflight) -> None:
+    """Dev mode (VLLM_SERVER_DEV_MODE, which the weight push needs) serves /collective_rpc and the weight-transfer
+    routes to whoever reaches vLLM's port: with ipc they unpickle what they are sent (FAIL beyond loopback); with nccl
+    they let anyone pause vLLM or load other weights into it (WARN: a multi-node run needs vLLM reachable)."""
     args = pf.args
     url, port = urllib.parse.urlsplit(args.vllm_url), url_port(args.vllm_url)
     listening = [address for address, _ in listening_sockets(port)]
-    danger = "with ipc vLLM unpickles every weight push, so whoever reaches it can run code as vLLM's user"
+    if pf.ipc:
+        status, elsewhere = FAIL, ""
+        danger = "with ipc vLLM unpickles every weight push, so whoever reaches it can run code as vLLM's user"
+    else:
+        status = WARN
+        danger = ("vLLM runs in dev mode (its /server_info answers), so whoever reaches it can call /collective_rpc "
+                  "and the weight-transfer routes: pause it, or load other weights into it")
+        elsewhere = ("; a multi-node run needs vLLM reachable from the trainer's node: there, keep its port inside the "
+                     "cluster's private network")
     if not is_loopback(url.hostname or ""):
-        pf.add("vLLM on loopback", FAIL, f"--vllm-url {args.vllm_url} is not a loopback address: {danger}",
-               f"serve vLLM with --host 127.0.0.1 and give --vllm-url http://127.0.0.1:{port}")
+        pf.add("vLLM on loopback", status, f"--vllm-url {args.vllm_url} is not a loopback address: {danger}",
+               f"serve vLLM with --host 127.0.0.1 and give --vllm-url http://127.0.0.1:{port}{elsewhere}")
     elif exposed := [str(a) for a in listening if not a.is_loopback]:
-        pf.add("vLLM on loopback", FAIL, f"vLLM listens on {exposed[0]} port {port}, beyond this host: {danger}",
-               "restart vLLM with --host 127.0.0.1")
+        pf.add("vLLM on loopback", status, f"vLLM listens on {exposed[0]} port {port}, beyond this host: {danger}",
+               f"restart vLLM with --host 127.0.0.1{elsewhere}")
     elif not listening:
         pf.add("vLLM on loopback", WARN, f"--vllm-url is loopback, but no socket listening on port {port} is visible "
                "here (another network namespace?): whether vLLM is reachable beyond this host is unknown",
                "make sure vLLM runs with --host 127.0.0.1")
-    elif job := next((f"{name}={os.environ[name]}" for name in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
-                      if os.environ.get(name)), None):
+    elif pf.ipc and (job := next((f"{name}={os.environ[name]}" for name in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+                                  if os.environ.get(name)), None)):
         # Loopback keeps other hosts out, not the other users of this one: a scheduler's node runs their jobs too.
         pf.add("vLLM on loopback", WARN, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
                f"{port} only, but this host is shared ({job}: a scheduler's node, other users' jobs may run on it) "
@@ -1901,18 +1916,35 @@ def check_lora_engine(pf: Preflight) -> None:
                "folded in (vLLM runs without --enable-lora)")
 
 
+# What mini-swe-agent 2.4.6 shows the model of a command's output each turn (its config/mini.yaml, which Harbor's
+# install runs with `-c mini`): all of it under 10,000 characters, else the first and the last 5,000.
+MINI_SWE_AGENT_OUTPUT_CHARS = 10_000
+
+
 def check_context(pf: Preflight) -> None:
+    """A rollout's context grows each turn by the completion and by the command output the harness shows back. The
+    completions are capped (--max-completion-length); the output is whatever the policy's commands print, up to the
+    harness's own cut: this row counts the first and names the tokens left for the second."""
     args, max_len = pf.args, pf.served["max_model_len"]
-    worst = args.agent_step_limit * args.max_completion_length
+    turns, completion = args.agent_step_limit, args.max_completion_length
+    worst = PROMPT_TOKENS + turns * completion
+    counted = f"~{PROMPT_TOKENS:,}-token prompt + {turns} turns x {completion} tokens = {worst:,}"
+    if set(args.harnesses) == {"mini-swe-agent"}:
+        output = (f"the command output mini-swe-agent shows back each turn (all of it up to "
+                  f"{MINI_SWE_AGENT_OUTPUT_CHARS:,} characters, else the first and last "
+                  f"{MINI_SWE_AGENT_OUTPUT_CHARS // 2:,})")
+    else:
+        output = "the command output the harness shows back each turn"
     if not max_len:
         pf.add("context", WARN, "vLLM did not report its max_model_len")
     elif worst > max_len:
-        pf.add("context", WARN, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} > "
-               f"vLLM's max_model_len {max_len:,}: a rollout that uses its whole budget ends at the context limit",
+        pf.add("context", WARN, f"{counted} > vLLM's max_model_len {max_len:,}, before {output}: a rollout that uses "
+               "its whole turn budget ends at the context limit",
                "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
     else:
-        pf.add("context", PASS, f"{args.agent_step_limit} turns x {args.max_completion_length} tokens = {worst:,} "
-               f"fit max_model_len {max_len:,}, with {max_len - worst:,} left for the prompt and command output")
+        pf.add("context", PASS, f"{counted} fit max_model_len {max_len:,}; {max_len - worst:,} tokens are left for "
+               f"{output}, which depends on the commands and is not counted here: a rollout whose commands print "
+               "more ends at the context limit")
 
 
 def tied_lora_targets(model: Any) -> list[str]:
@@ -2033,14 +2065,61 @@ def cpu_shares_cuda() -> bool:
     return reduce_tensor(torch.zeros(1))[0] is rebuild_cuda_tensor
 
 
+def cpu_pushes_nccl() -> bool:
+    """Whether a CPU trainer can push to an nccl vLLM: NCCL moves GPU memory only, and torch builds it only with CUDA
+    (the CPU tests stand in for NCCL over HTTP)."""
+    return torch.distributed.is_nccl_available()
+
+
+# The oldest NVIDIA driver (Linux) that runs a build of each CUDA major version: NVIDIA's CUDA minor version
+# compatibility table (CUDA 13.x: >= 580; CUDA 13.0 GA shipped with 580.65.06). torch 2.13's wheels are CUDA 13.0.
+CUDA_DRIVER_FLOOR = {13: 580, 12: 525, 11: 450}
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver's version as nvidia-smi reports it (e.g. 580.65.06); None when no nvidia-smi answers."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((line.strip() for line in out.splitlines() if line.strip()), None)
+
+
+def driver_problem() -> tuple[str, str]:
+    """Why this process sees no CUDA device, as far as the driver tells: (what was found, the fix)."""
+    cuda, driver = torch.version.cuda, nvidia_driver()
+    floor = CUDA_DRIVER_FLOOR.get(int(cuda.split(".")[0])) if cuda else None
+    need = f"NVIDIA driver >= {floor} (Linux), the oldest that runs CUDA {cuda}" if floor else "a newer NVIDIA driver"
+    if driver is None:
+        return "no NVIDIA driver answers (nvidia-smi is missing or fails)", f"install {need}"
+    if floor and driver.split(".")[0].isdigit() and int(driver.split(".")[0]) < floor:
+        return f"the NVIDIA driver is {driver}, too old for CUDA {cuda}", f"install {need}"
+    return (f"the NVIDIA driver is {driver}{f', new enough for CUDA {cuda},' if floor else ''} but no GPU is visible "
+            "to this process",
+            "make the trainer's GPU visible: CUDA_VISIBLE_DEVICES=<its index or GPU-UUID, nvidia-smi -L>")
+
+
 def check_trainer_gpu(pf: Preflight) -> None:
     if not torch.cuda.is_available():
-        if pf.ipc and not cpu_shares_cuda():
+        visible = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+        if torch.version.cuda:
+            found, fix = driver_problem()
+            pf.add("trainer GPU", FAIL, f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees "
+                   f"no CUDA device ({visible}): {found}", fix)
+        elif torch.version.hip:
+            pf.add("trainer GPU", FAIL, f"torch {torch.__version__} is built for ROCm {torch.version.hip} but sees "
+                   f"no GPU ({visible})", "make the trainer's GPU visible (HIP_VISIBLE_DEVICES), or check its driver")
+        elif pf.ipc and not cpu_shares_cuda():
             pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer (torch {torch.__version__}, "
-                   f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}), but vLLM serves the "
-                   "ipc backend: CUDA IPC cannot push weights from a CPU trainer",
+                   f"{visible}), but vLLM serves the ipc backend: CUDA IPC cannot push weights from a CPU trainer",
                    "run this script on vLLM's GPU (CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>) with a CUDA "
                    "build of torch (`uv run` installs it from this script's header)")
+        elif not pf.ipc and not cpu_pushes_nccl():
+            pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer (torch {torch.__version__}, a CPU "
+                   f"build; {visible}): it pushes its weights to vLLM over NCCL, which moves GPU memory only",
+                   "run this script on a GPU of its own with a CUDA build of torch (`uv run` installs it from this "
+                   f"script's header; it needs NVIDIA driver >= {CUDA_DRIVER_FLOOR[13]})")
         else:
             pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
         return
@@ -2586,8 +2665,9 @@ PREFLIGHT_CHECKS = [
                    "agent rollouts that fail at their first tool call"),
     PreflightCheck(("weight transfer",), check_weight_transfer, ("vllm_answers",),
                    "a trainer that cannot push its weights, so that every rollout samples the untrained model"),
-    PreflightCheck(("vLLM on loopback",), check_vllm_on_loopback, ("ipc",),
-                   "anyone who reaches an ipc vLLM running code as its user: it unpickles every push"),
+    PreflightCheck(("vLLM on loopback",), check_vllm_on_loopback, ("vllm_dev_mode",),
+                   "anyone who reaches a dev-mode vLLM driving it (pausing it, loading other weights), or with ipc "
+                   "running code as its user: it unpickles every push"),
     PreflightCheck(("trainer ranks",), check_trainer_ranks, ("ipc",),
                    "several trainer processes pushing to an ipc vLLM, which takes each push from one"),
     PreflightCheck(("dtype",), check_dtype, ("vllm_answers",),

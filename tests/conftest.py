@@ -202,6 +202,13 @@ def run_main(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProc
     interpreter start, and the libraries a preflight imports load once per session. Python warnings and log records
     go to pytest's own capture here; test_refusals runs one refusal as a process too."""
     script = load_script()
+    # The rig's stand-ins, as the script's own process gets them (AGH_CPU_RIG): its preflight asks them of a CPU
+    # trainer (NCCL, CUDA IPC), whichever test modules this run collected.
+    if str(RIG) not in sys.path:
+        sys.path.insert(0, str(RIG))
+    import cpu_trainer
+
+    cpu_trainer.install()
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
     stdout, stderr = io.StringIO(), io.StringIO()

@@ -23,9 +23,11 @@ requirements() {  # requirements file -> what its environment installs
   cat "$root/$1"
   if [ "$1" = tests/requirements-trainer.txt ]; then
     # The script's exact pins, from its PEP 723 header (extras dropped, vllm left out: CUDA-only, the rig stands in
-    # for it): the versions whose private code it overrides are pinned in one place, and tested as installed.
+    # for it; harbor too: the server environment's, Python 3.12 only): the versions whose private code it overrides
+    # are pinned in one place, and tested as installed.
     sed -n '/^# \/\/\/ script$/,/^# \/\/\/$/p' "$root/async_grpo_harbor.py" \
-      | grep -o '"[A-Za-z0-9_.-]*\(\[[^]]*\]\)\?==[^"]*"' | tr -d '"' | sed 's/\[[^]]*\]//' | grep -v '^vllm=='
+      | grep -o '"[A-Za-z0-9_.-]*\(\[[^]]*\]\)\?==[^"]*"' | tr -d '"' | sed 's/\[[^]]*\]//' \
+      | grep -v '^\(vllm\|harbor\)=='
   fi
 }
 

@@ -72,6 +72,76 @@ def test_a_healthy_setup_passes_and_an_external_server_is_used_as_is(rig, tmp_pa
     assert all(row in declared for row in rows), list(rows)
 
 
+def test_a_dev_mode_vllm_beyond_loopback_is_flagged_whatever_its_backend(make_rig, tmp_path):
+    # vLLM's default --host binds every interface; dev mode (which the weight push needs) serves /collective_rpc and
+    # the weight-transfer routes there. With nccl nothing is unpickled, and a multi-node run must reach vLLM from
+    # another node, so it warns rather than refuses.
+    engine = make_rig("--host", "0.0.0.0", harbor=False)  # the nccl backend, as the README's two-GPU command
+    port = engine.engine_url.rsplit(":", 1)[1]
+    dead = ["--harbor-url", f"http://127.0.0.1:{free_port()}", "--tasks", "coin", "--check"]
+    proc = run_main([*engine.base_args(), *dead], cwd=tmp_path)
+    status, detail = table(proc.stdout)["vLLM on loopback"]
+    assert status == "WARN" and detail.startswith(f"vLLM listens on 0.0.0.0 port {port}, beyond this host: vLLM runs "
+                                                  "in dev mode (its /server_info answers), so whoever reaches it can "
+                                                  "call /collective_rpc and the weight-transfer routes"), detail
+    assert ("fix: restart vLLM with --host 127.0.0.1; a multi-node run needs vLLM reachable from the trainer's node: "
+            "there, keep its port inside the cluster's private network") in proc.stdout
+    # Reached by another address than loopback (vLLM on another node), the same.
+    url = engine.engine_url.replace("127.0.0.1", "0.0.0.0")
+    args = [*engine.base_args(), *dead]
+    args[args.index("--vllm-url") + 1] = url
+    status, detail = table(run_main(args, cwd=tmp_path).stdout)["vLLM on loopback"]
+    assert status == "WARN" and detail.startswith(f"--vllm-url {url} is not a loopback address: vLLM runs in dev "
+                                                  "mode"), detail
+
+
+def trainer_gpu_row(script, backend: str) -> tuple[str, str, str]:
+    pf = script.Preflight(script.parse_args(["--vllm-url", "http://127.0.0.1:8000"]))
+    pf.served = {"weight_transfer": backend}
+    script.check_trainer_gpu(pf)
+    (_, status, detail, fix), = pf.rows
+    return status, detail, fix
+
+
+def test_a_cpu_trainer_for_an_nccl_vllm_is_refused(monkeypatch):
+    # The rig stands in for NCCL on CPU (tests/rig/cpu_trainer.py, (d)); a CPU build of torch has none.
+    script = load_script()
+    monkeypatch.setattr(script.torch.distributed, "is_nccl_available",
+                        getattr(script.torch.distributed.is_nccl_available, "_agh_original",
+                                script.torch.distributed.is_nccl_available))
+    status, detail, fix = trainer_gpu_row(script, "nccl")
+    assert status == "FAIL" and detail.startswith(f"no CUDA device visible to the trainer (torch "
+                                                  f"{script.torch.__version__}, a CPU build; "), detail
+    assert detail.endswith("it pushes its weights to vLLM over NCCL, which moves GPU memory only"), detail
+    assert fix.startswith("run this script on a GPU of its own with a CUDA build of torch") and \
+        "NVIDIA driver >= 580" in fix, fix
+
+
+@pytest.mark.parametrize("driver, found, fix", [
+    ("550.54.15", "the NVIDIA driver is 550.54.15, too old for CUDA 13.0",
+     "install NVIDIA driver >= 580 (Linux), the oldest that runs CUDA 13.0"),
+    (None, "no NVIDIA driver answers (nvidia-smi is missing or fails)",
+     "install NVIDIA driver >= 580 (Linux), the oldest that runs CUDA 13.0"),
+    ("580.65.06", "the NVIDIA driver is 580.65.06, new enough for CUDA 13.0, but no GPU is visible to this process",
+     "make the trainer's GPU visible: CUDA_VISIBLE_DEVICES="),
+])
+def test_a_cuda_build_of_torch_that_sees_no_gpu_names_the_driver(monkeypatch, tmp_path, driver, found, fix):
+    # torch 2.13's wheels are built for CUDA 13.0; with a driver older than that, torch sees no device at all.
+    script = load_script()
+    monkeypatch.setattr(script.torch.version, "cuda", "13.0")
+    if driver:  # nvidia-smi as it answers the query
+        smi = tmp_path / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\n[ \"$1\" = --query-gpu=driver_version ] && echo {driver}\n")
+        smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}" if driver else str(tmp_path))
+    for backend in ("nccl", "ipc"):
+        status, detail, row_fix = trainer_gpu_row(script, backend)
+        assert status == "FAIL" and detail == (f"torch {script.torch.__version__} is built for CUDA 13.0 but sees no "
+                                               f"CUDA device (CUDA_VISIBLE_DEVICES="
+                                               f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): {found}"), detail
+        assert row_fix.startswith(fix), row_fix
+
+
 def test_probe_rollout_on_its_own_server_confirms_the_reward_key_then_stops_the_server(rig, tmp_path):
     # With a list of harnesses, the probe runs the first.
     args, env = embedded([*rig.base_args(), "--tasks", "coin2", "--reward-key", "correct", "--output-dir", "out",
@@ -185,6 +255,42 @@ def test_on_a_gpu_the_served_dtype_is_judged_against_bf16_autocast_whatever_the_
         assert status == "WARN" and detail.startswith(f"vLLM serves {served}, the trainer scores under bfloat16 "
                                                       "autocast on GPU"), detail
         assert fix == "serve with vLLM's --dtype bfloat16"
+
+
+def context_row(script, max_model_len: int, *flags: str) -> tuple[str, str]:
+    pf = script.Preflight(script.parse_args(["--vllm-url", "http://127.0.0.1:8000", *flags]))
+    pf.served = {"max_model_len": max_model_len}
+    script.check_context(pf)
+    (_, status, detail, _), = pf.rows
+    return status, detail
+
+
+def test_the_context_row_counts_the_prompt_and_names_the_command_output_it_cannot_count():
+    # Each turn re-sends the conversation: the task's prompt, every completion, and the output of every command the
+    # harness ran, which the policy decides. The defaults leave 548 tokens of a 32k context for all of that output.
+    script = load_script()
+    assert context_row(script, 32_768) == (
+        "PASS", "~1,500-token prompt + 30 turns x 1024 tokens = 32,220 fit max_model_len 32,768; 548 tokens are left "
+                "for the command output mini-swe-agent shows back each turn (all of it up to 10,000 characters, else "
+                "the first and last 5,000), which depends on the commands and is not counted here: a rollout whose "
+                "commands print more ends at the context limit")
+    # The completions alone fit, the prompt with them does not.
+    status, detail = context_row(script, 31_000)
+    assert status == "WARN" and detail.startswith("~1,500-token prompt + 30 turns x 1024 tokens = 32,220 > vLLM's "
+                                                  "max_model_len 31,000, before the command output"), detail
+    assert "the harness shows back" in context_row(script, 32_768, "--harness", "claude-code")[1]
+
+
+def test_the_command_output_the_context_row_names_is_what_the_installed_mini_swe_agent_shows():
+    # Harbor runs mini-swe-agent with `-c mini`: its packaged config/mini.yaml renders each command's output.
+    # Found without importing it (its import prints a banner).
+    where = subprocess.run([os.environ["AGH_SERVER_PYTHON"], "-c", "import importlib.util; print(importlib.util."
+                            "find_spec('minisweagent').submodule_search_locations[0])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    template = open(os.path.join(where, "config", "mini.yaml")).read().split("observation_template:", 1)[1].split("format_error_template:", 1)[0]
+    chars = load_script().MINI_SWE_AGENT_OUTPUT_CHARS
+    assert f"output.output | length < {chars}" in template, template
+    assert f"output.output[:{chars // 2}]" in template and f"output.output[-{chars // 2}:]" in template, template
 
 
 def test_the_precision_row_is_what_adamw_does():

@@ -15,7 +15,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from conftest import ROOT, SCRIPT
+from conftest import ROOT, SCRIPT, load_script
 
 # Imported on the GPU path by what the script runs, but not by this script's configuration (none since --use-peft).
 NOT_ON_OUR_PATH: set[str] = set()
@@ -53,6 +53,7 @@ def test_header_dependencies_resolve_together(tmp_path):
     assert versions["trl"] == "1.16.0"
     assert versions["openenv"] == "0.10.0"
     assert versions["vllm"] == "0.29.0"
+    assert versions["harbor"] == "0.25.0"
     assert {"harbor", "e2b", "trackio", "torch", "transformers"} <= set(versions)
     assert not [p["name"] for p in lock["package"] if "git" in p.get("source", {})], "git dependency"
     # Every module the trainer imports, on the GPU path too, comes from a locked distribution (a module not
@@ -71,8 +72,9 @@ def canonical(name: str) -> str:
 # Libraries whose private code the script calls or overrides (TRL's experimental trainer, transformers' Trainer
 # internals, accelerate's dataloader, torch's default process group): any release may change that code under it.
 PRIVATE_CODE_OVERRIDDEN = {"trl", "transformers", "accelerate", "torch"}
-# Pinned in the header but not installed by the rig: CUDA-only (tests/envs.sh leaves it out).
-NOT_IN_THE_RIG = {"vllm"}
+# Pinned in the header but not installed in the rig's trainer environment (tests/envs.sh leaves them out): vllm is
+# CUDA-only; harbor runs in the Harbor server's environment (Python 3.12), where the test below checks it.
+NOT_IN_THE_RIG = {"vllm", "harbor"}
 
 
 def header_dependencies() -> list[str]:
@@ -104,6 +106,18 @@ def test_the_test_environment_runs_the_versions_the_header_pins():
     again = {canonical(re.split(r"[\[=<>!~;\s]", line.strip(), 1)[0]) for line in listed
              if line.strip() and not line.startswith("#")} & set(pins)
     assert not again, f"tests/requirements-trainer.txt lists {again}, pinned in the script's header"
+
+
+def test_the_harbor_server_of_the_tests_runs_the_harbor_the_header_pins():
+    """openenv[harbor] asks only harbor>=0.22.0; Harbor decides how sandboxes start and harnesses install, so the
+    header pins the one the tests' Harbor server runs."""
+    pins = exact_pins(header_dependencies())
+    served = exact_pins((ROOT / "tests" / "requirements-server.txt").read_text().splitlines())
+    installed = subprocess.run([os.environ["AGH_SERVER_PYTHON"], "-c", "import importlib.metadata as m; "
+                                "print(m.version('harbor'), m.version('openenv'))"],
+                               capture_output=True, text=True, check=True).stdout.split()
+    assert pins.get("harbor") == served["harbor"] == installed[0], (pins.get("harbor"), served, installed)
+    assert pins["openenv"] == installed[1]
 
 
 @functools.cache
@@ -248,6 +262,25 @@ def test_the_one_gpu_vllm_is_bound_to_this_host_and_leaves_the_trainer_its_share
     assert float(flags[flags.index("--gpu-memory-utilization") + 1]) <= 0.5
 
 
+def test_every_vllm_the_docs_run_on_the_trainers_host_is_bound_to_it():
+    """vLLM in dev mode (the weight push needs it) serves /collective_rpc and the weight-transfer routes to whoever
+    reaches its port, whatever the backend: each `vllm serve` a doc or the docstring shows runs beside the trainer and
+    binds loopback (vLLM's default binds every interface). Multi-node runs are slurm/multi_node.sbatch's."""
+    docstring = shell_commands(ast.get_docstring(ast.parse(SCRIPT.read_text())))
+    served = [vllm_serve(c)[1] for c in [*doc_commands(), *docstring] if " vllm serve " in f" {c} "]
+    assert len(served) >= 4, served
+    unbound = [flags for flags in served if "--host" not in flags or flags[flags.index("--host") + 1] != "127.0.0.1"]
+    assert unbound == [], unbound
+
+
+def test_the_readme_names_the_driver_the_trainer_gpu_row_asks_for():
+    """torch 2.13's wheels (the header's pin) are built for CUDA 13.0: a driver older than its floor leaves torch
+    without a GPU. The README says which driver before anyone rents a card; the row names it when it is missing."""
+    floor = load_script().CUDA_DRIVER_FLOOR[13]
+    gpus = " ".join((ROOT / "README.md").read_text().split("- **Which GPUs**", 1)[1].split("\n- ", 1)[0].split())
+    assert f"built for CUDA 13.0, which needs NVIDIA driver >= {floor} on Linux" in gpus, gpus
+
+
 def test_readme_vllm_commands_are_the_ones_the_gpu_tests_serve():
     """tests/gpu proves the README's vLLM flags on real GPUs: each GPU test that declares README_FLAGS serves exactly
     the README command of its weight-transfer backend."""
@@ -265,6 +298,58 @@ def test_readme_vllm_commands_are_the_ones_the_gpu_tests_serve():
                 {"--port", "--max-model-len", "--host", "--gpu-memory-utilization"}, path.name
             proven.append(backend)
     assert "nccl" in proven, proven
+
+
+def test_what_the_docs_say_of_each_left_out_vllm_flag_is_what_the_gpu_test_proves():
+    """tests/gpu/test_two_gpus.py starts a vLLM without each flag of MISSING_FLAG and requires its row to FAIL; the
+    README's flags that no case leaves out (on vLLM 0.26 one of them failed no row: bench/results/2026-11-30-h200.md)
+    are named as exceptions wherever the docs say that leaving a flag out fails its row."""
+    tree = ast.parse((ROOT / "tests" / "gpu" / "test_two_gpus.py").read_text())
+    assigned = {n.targets[0].id: n.value for n in tree.body if isinstance(n, ast.Assign)
+                and isinstance(n.targets[0], ast.Name)}
+    flags = ast.literal_eval(assigned["README_FLAGS"])
+    cases = eval(compile(ast.Expression(assigned["MISSING_FLAG"]), "MISSING_FLAG", "eval"),  # literals and `dict`
+                 {"README_FLAGS": flags, "dict": dict})
+    left_out = {f for kwargs, _, _ in cases.values() for f in set(flags) - set(kwargs.get("flags", flags))}
+    unproven = sorted(f for f in flags if f.startswith("--") and f not in left_out)
+    assert unproven == ["--return-tokens-as-token-ids"], unproven
+    readme = " ".join((ROOT / "README.md").read_text().split("- **Every vLLM flag matters**", 1)[1]
+                      .split("\n- ", 1)[0].split())
+    tests_readme = " ".join((ROOT / "tests" / "README.md").read_text().split("**On two GPUs**", 1)[1]
+                            .split("\n\n", 1)[0].split())
+    for text in (readme, tests_readme):
+        claim = re.search(r"leaving one out failed its row with its fix|each flag left out FAILs its own row with "
+                          r"its fix", text)
+        assert claim, text
+        assert text[claim.end():].startswith(", except " + ", ".join(f"`{f}`" for f in unproven)), text
+
+
+def test_the_default_task_list_says_which_dataset_revision_its_indices_mean_and_how_to_pin_one():
+    """openenv 0.10 serves a hub dataset's main branch and takes no revision; a folder it serves as it is. tasks.txt
+    says what its indices mean, and docs/flags.md downloads the suite at one commit and serves that folder, with
+    commands the installed `hf` CLI takes."""
+    script = load_script()
+    revision = [line for line in (ROOT / "tasks.txt").read_text().splitlines() if line.startswith("# Revision:")]
+    assert revision, "tasks.txt names no revision"
+    section = (ROOT / "docs" / "flags.md").read_text().split("### `--dataset`", 1)[1].split("\n## ", 1)[0]
+    commands = doc_commands_of(section)
+    download = shlex.split(next(c for c in commands if c.startswith("hf download ")))
+    assert download[2] == script.DEFAULT_DATASET and download[download.index("--repo-type") + 1] == "dataset"
+    assert download[download.index("--include") + 1] == "tasks/**"  # what openenv's own download fetches
+    assert "--revision" in download
+    run = shlex.split(next(c for c in commands if c.startswith("uv run async_grpo_harbor.py")))
+    assert run[run.index("--dataset") + 1] == download[download.index("--local-dir") + 1]
+    assert run[run.index("--tasks") + 1] == "@tasks.txt"  # beside the script, the clone's root
+    hf = Path(sys.executable).with_name("hf")
+    for command in (download[:2], ["hf", "datasets", "info"]):
+        usage = subprocess.run([str(hf), *command[1:], "--help"], capture_output=True, text=True, timeout=120)
+        assert usage.returncode == 0, usage.stderr
+    usage = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True, timeout=120).stdout
+    assert all(flag in usage for flag in ("--repo-type", "--revision", "--include", "--local-dir")), usage
+
+
+def doc_commands_of(markdown: str) -> list[str]:
+    return [c for block in re.findall(r"```bash\n(.*?)```", markdown, re.S) for c in shell_commands(block)]
 
 
 def test_readme_harbor_server_gets_the_settings_the_script_gives_its_own():

@@ -7,9 +7,10 @@ private mount namespaces):
         --with mini-swe-agent==2.4.6 pytest tests/gpu -v -s
 
 It builds a tiny random-weight Qwen3 locally (no hub), serves it with the README's vLLM flags, runs the script's
-`--check` (every engine row must PASS, and each vLLM flag left out must fail its own row with its fix), then trains 3
-optimizer steps through the real Harbor server, capture proxy and mini-swe-agent, with the CPU rig's local sandbox and
-a task whose verifier flips a coin (a random model solves nothing, and only groups whose rewards differ train).
+`--check` (every engine row must PASS, and each vLLM flag left out but `--return-tokens-as-token-ids` must fail its own
+row with its fix: MISSING_FLAG below), then trains 3 optimizer steps through the real Harbor server, capture proxy and
+mini-swe-agent, with the CPU rig's local sandbox and a task whose verifier flips a coin (a random model solves
+nothing, and only groups whose rewards differ train).
 Skipped without two GPUs or without vLLM.
 
 Offline (no hub, as on the lent GPU machines): `AGH_GPU_OFFLINE_ATTENTION=1` replaces TRL's hub-fetched tree-attention

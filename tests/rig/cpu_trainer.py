@@ -14,7 +14,8 @@ Only five things are replaced; everything else of TRL runs for real:
 (d) the NCCL halves of `WeightTransferClient`: `init_weight_transfer` builds no NCCL group, `send_weights` collects
     the (name, tensor) stream and POSTs `safetensors.torch.save(state_dict)` to `{server_url}/stand_in/load_weights`.
     The HTTP control calls (wait_for_server_ready, get_dtype + its dtype-mismatch warning, pause/resume,
-    start_weight_update, finish_weight_update) are the real `VLLMClient` ones.
+    start_weight_update, finish_weight_update) are the real `VLLMClient` ones. `torch.distributed.is_nccl_available`
+    answers True, as the stand-in carries what NCCL would (the preflight's `trainer GPU` row asks it of a CPU trainer).
 (e) `torch.cuda.mem_get_info` -> the free and total GiB in $AGH_RIG_GPU_MEMORY (`FREE,TOTAL`), only while it is set:
     the preflight's trainer-memory row compares its projection with a GPU this machine does not have. Unset, torch's
     own (which raises without CUDA, so the row says there is no GPU).
@@ -238,6 +239,16 @@ def _destroy(self) -> None:
     self.model_update_group = None
 
 
+def _patch_nccl_available(module) -> None:
+    original = getattr(module.is_nccl_available, "_agh_original", module.is_nccl_available)
+
+    def is_nccl_available() -> bool:
+        return True
+
+    is_nccl_available._agh_original = original
+    module.is_nccl_available = is_nccl_available
+
+
 def _patch_weight_transfer(module) -> None:
     module.is_vllm_available = _vllm_guard
     cls = module.WeightTransferClient
@@ -335,6 +346,7 @@ _PATCHES = {
     f"{_PKG}.async_rollout_worker": _patch_rollout_worker,
     f"{_PKG}.weight_transfer": _patch_weight_transfer,
     "torch.multiprocessing": _patch_reductions,
+    "torch.distributed": _patch_nccl_available,
     "torch.cuda": _patch_cuda,
 }
 # Offline GPU runs (tests/gpu, AGH_CPU_RIG=attention) stand in for the hub-fetched kernel alone: vLLM, NCCL and CUDA
