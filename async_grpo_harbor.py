@@ -526,6 +526,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--efficiency-weight must be in [0, 1) (got {args.efficiency_weight}): at 1 the bonus would "
                          "reach the next correctness level")
     args.harbor_url = args.harbor_url.rstrip("/")
+    args.capture_url = ""  # the capture proxy as the sandboxes reach it, once the preflight reached it there too
     # The defaults --help describes (HARBOR_SERVE, the shipped tasks.txt), resolved on this machine.
     args.harbor_command = args.harbor_command or shlex.join([sys.executable, "-m", "openenv.cli", "harbor", "serve"])
     args.tasks = args.tasks or DEFAULT_TASKS
@@ -664,6 +665,15 @@ class ServerLost(ConnectionError):
     def __init__(self, message: str, answered: bool = False):
         super().__init__(message)
         self.answered = answered
+
+
+class CaptureLost(ServerLost):
+    """The capture proxy does not answer at the URL every sandbox is given: its tunnel or the proxy died, so a harness
+    started now could reach no model. Waited for as a lost server is (one window); openenv cannot reopen a tunnel."""
+
+    def __init__(self, message: str, url: str):
+        super().__init__(message)
+        self.url = url
 
 
 class ServerFull(RuntimeError):
@@ -928,6 +938,15 @@ class HarborSession(ResourceSession):
         raise NotImplementedError("the harness owns its loop; tools run inside the sandbox")
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
+        f = self._factory
+        if not f.first_rollout_done(self):
+            return 1
+        try:
+            return self._run()
+        finally:
+            f.pioneer_done(self)
+
+    def _run(self) -> int:
         f, session = self._factory, self._client
         self.started = time.time()
         # The proxy accepts a training policy only from an engine it captures tokens from; any engine takes an eval one.
@@ -935,6 +954,7 @@ class HarborSession(ResourceSession):
         lost, backoff, full_since = False, 1.0, None
         while True:
             try:
+                f.reach_capture()
                 session.open()
                 f.server_answered()
                 self.retries += lost
@@ -951,8 +971,14 @@ class HarborSession(ResourceSession):
                 # rollout, and never counts these toward --max-consecutive-failures.
                 if session.closed:
                     return 1
-                lost = True
+                lost = not isinstance(exc, CaptureLost)  # that one never started: nothing to start again
                 left = f.server_lost(exc)
+                if left <= 0 and isinstance(exc, CaptureLost):
+                    self.failure = Failure(SERVER_GONE, f"the capture proxy has not answered at {exc.url}, the URL "
+                                                        f"every sandbox is given, for {f.retry_window_s:g}s (last: "
+                                                        f"{exc}): its tunnel or the proxy died, and openenv cannot "
+                                                        "reopen either; a relaunch starts a new server and tunnel")
+                    return 1
                 if left <= 0:
                     self.failure = Failure(SERVER_GONE, f"the Harbor server at {f.harbor_url} has not answered for "
                                                         f"{f.retry_window_s:g}s (last: {exc})")
@@ -1008,19 +1034,30 @@ class HarborSession(ResourceSession):
         self._factory.live_sessions.discard(self)
 
 
+# Sandboxes that build a task's template on its first use, where rollouts starting together race the build (see
+# SHARED_TEMPLATE_NAME): a factory's first rollout starts alone, the others once it has ended, its template built.
+TEMPLATE_BUILDING_SANDBOXES = {"e2b"}
+
+
 class HarborSessionFactory(ResourceSessionFactory):
     """Creates one `HarborSession` per rollout. Built inside TRL's rollout child as `factory(sampling=...)`.
 
     `sampling` is the trainer's own policy (temperature), forwarded to every `run_rollout` so the proxy samples at
-    the temperature the trainer scores at.
+    the temperature the trainer scores at. `capture_url`: the capture proxy as every sandbox is told to reach it,
+    asked before each rollout starts its sandbox ("": not known here, a server of the user's own).
     """
 
     def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
                  agent_timeout_s: float, max_consecutive_failures: int, retry_window_s: float = 300.0,
                  sampling: dict[str, Any] | None = None, require_tokens: bool = True, record_path: str = "",
                  eval_sampling: dict[str, Any] | None = None, label: str = "group", split_by_harness: bool = False,
-                 record_fields: dict[str, Any] | None = None):
+                 record_fields: dict[str, Any] | None = None, capture_url: str = ""):
         self.harbor_url, self.harness, self.sandbox, self.reward_key = harbor_url, harness, sandbox, reward_key
+        self.capture_url = capture_url
+        self._pioneer: HarborSession | None = None  # the first rollout, alone where the sandbox builds templates
+        self._pioneer_ended = threading.Event()
+        if sandbox not in TEMPLATE_BUILDING_SANDBOXES:
+            self._pioneer_ended.set()
         self.agent_step_limit, self.agent_timeout_s = agent_step_limit, agent_timeout_s
         self.request_timeout_s, self.retry_window_s = rollout_budget_s(agent_timeout_s), retry_window_s
         self.max_consecutive_failures, self.split_by_harness = max_consecutive_failures, split_by_harness
@@ -1093,6 +1130,32 @@ class HarborSessionFactory(ResourceSessionFactory):
         with self._lock:  # rollouts finish on several threads at once
             say(redact(line))
 
+    def first_rollout_done(self, session: HarborSession) -> bool:
+        """Wait, unless `session` is the first rollout, until the first one has ended (at once where the sandbox
+        builds no template). False: `session` was closed meanwhile."""
+        with self._lock:
+            self._pioneer = self._pioneer or session
+        while session is not self._pioneer and not self._pioneer_ended.wait(1.0):
+            if session._client.closed:
+                return False
+        return True
+
+    def pioneer_done(self, session: HarborSession) -> None:
+        if session is self._pioneer:
+            self._pioneer_ended.set()
+
+    def reach_capture(self) -> None:
+        """Raise CaptureLost unless the capture proxy answers at the URL the sandboxes are given: no paid sandbox
+        starts for a harness that could reach no model."""
+        if not self.capture_url:
+            return
+        try:
+            health = http_json(f"{self.capture_url}/health", timeout=30)
+        except (OSError, ValueError) as exc:
+            raise CaptureLost(f"{type(exc).__name__}: {exc}", self.capture_url) from exc
+        if not isinstance(health, dict) or health.get("status") != "ok":
+            raise CaptureLost(f"/health answered {str(health)[:200]}", self.capture_url)
+
     def server_lost(self, exc: ServerLost) -> float:
         """A rollout lost its server: seconds left before the run gives up on it (<= 0: it is gone).
 
@@ -1106,7 +1169,11 @@ class HarborSessionFactory(ResourceSessionFactory):
         with self._lock:
             first, self._outage_since = self._outage_since is None, self._outage_since or now
             since, waiting = self._outage_since, len(self.live_sessions)
-        if first:
+        if first and isinstance(exc, CaptureLost):
+            self._say(f"[harbor] the capture proxy is not answering at {exc.url}, the URL every sandbox is given "
+                      f"({exc}): its tunnel or the proxy died; no rollout starts until it answers, for at most "
+                      f"{self.retry_window_s:g}s (--harbor-retry-window)")
+        elif first:
             self._say(f"[harbor] the Harbor server at {self.harbor_url} is not answering ({exc}) with {waiting} "
                       f"rollouts in flight: they start again in new sessions when it is back, if within "
                       f"{self.retry_window_s:g}s (--harbor-retry-window)")
@@ -1116,8 +1183,8 @@ class HarborSessionFactory(ResourceSessionFactory):
         with self._lock:
             since, self._outage_since = self._outage_since, None
         if since is not None:
-            self._say(f"[harbor] the Harbor server answers again after {time.monotonic() - since:.0f}s; rollouts it "
-                      "lost start again in new sessions")
+            self._say(f"[harbor] the Harbor server answers again after {time.monotonic() - since:.0f}s (its capture "
+                      "proxy too, where asked); rollouts it lost start again in new sessions")
 
     def record_outcome(self, session: HarborSession) -> None:
         failure, r = session.failure, session.result
@@ -1196,7 +1263,7 @@ def session_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"harbor_url": args.harbor_url, "harness": args.harnesses[0], "sandbox": args.sandbox,
             "reward_key": args.reward_key, "agent_step_limit": args.agent_step_limit,
             "agent_timeout_s": args.agent_timeout, "max_consecutive_failures": args.max_consecutive_failures,
-            "retry_window_s": args.harbor_retry_window}
+            "retry_window_s": args.harbor_retry_window, "capture_url": args.capture_url}
 
 
 # --- Reward -----------------------------------------------------------------------------------------------------------
@@ -1247,25 +1314,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The harness version the Harbor server this script starts installs in each sandbox: the one the tests run
+# (tests/requirements-server.txt). Without one Harbor installs the newest on the day, so a long run would train
+# another harness than it was checked with. The user's OPENENV_HARBOR_AGENT_VERSIONS (openenv's own switch: a JSON
+# object of harness name -> exact version) wins per harness.
+HARNESS_VERSIONS = {"mini-swe-agent": "2.4.6"}
+# openenv 0.10's own test of a pinned version (openenv/harbor/rollout.py): one it refuses fails every rollout.
+EXACT_VERSION = re.compile(r"[0-9]+(?:\.[0-9]+){1,3}(?:[-+][A-Za-z0-9.-]+)?")
+# Harbor names an e2b template after its task and builds it when the alias is missing; the alias exists from the
+# moment a build starts, so rollouts visiting a task at once race the build and the losers fail with `tag 'default'
+# does not exist`. Under one shared name (openenv's HARBOR_SHARED_ENV_NAME) a template is built once per distinct
+# environment (its hash stays in the alias), not once per task. The user's HARBOR_SHARED_ENV_NAME wins.
+SHARED_TEMPLATE_NAME = "async-grpo-harbor"
+
+
+def harbor_server_env() -> dict[str, str]:
+    """What the Harbor server this script starts gets on top of this process's environment."""
+    raw = os.environ.get("OPENENV_HARBOR_AGENT_VERSIONS", "")
+    try:
+        theirs = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError:
+        theirs = None
+    if not isinstance(theirs, dict) or not all(isinstance(v, str) and EXACT_VERSION.fullmatch(v)
+                                               for v in theirs.values()):
+        raise UsageError(f"OPENENV_HARBOR_AGENT_VERSIONS={raw!r}: give a JSON object of harness name -> exact "
+                         f"version, e.g. '{json.dumps(HARNESS_VERSIONS)}', or unset it")
+    return {"OPENENV_HARBOR_AGENT_VERSIONS": json.dumps({**HARNESS_VERSIONS, **theirs}),
+            "HARBOR_SHARED_ENV_NAME": os.environ.get("HARBOR_SHARED_ENV_NAME") or SHARED_TEMPLATE_NAME,
+            "PYTHONUNBUFFERED": "1"}  # its `capture ... -> URL` line reaches the log before it serves
+
+
 class EmbeddedHarborServer:
     """`openenv harbor serve` as a child of this process, so one command runs everything after `vllm serve`. Bound to
     127.0.0.1, with the --expose that --harbor-expose picks (the preflight resolves auto): OpenEnv's default (gradio)
-    opens a public tunnel whatever the sandbox."""
+    opens a public tunnel whatever the sandbox. `public_url`: the capture proxy's URL as the server hands it to every
+    sandbox (a tunnel's, or 127.0.0.1's), from the line the server prints at start."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.log_path = Path(args.output_dir) / "harbor_server.log"
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.capture_port = 0
+        self.public_url = ""
 
     def start(self, served_model: str, timeout_s: float = 1800.0) -> float:
         """Start the server and wait until its Task API answers; returns the seconds that took."""
         a = self.args
-        port = free_port()
+        port, self.capture_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{port}"
         cmd = shlex.split(a.harbor_command) + [
             "--dataset", a.dataset, "--llm-url", f"{a.vllm_url}/v1", "--host", "127.0.0.1", "--port", str(port),
-            "--capture-port", str(free_port()), "--expose", a.harbor_expose,
+            "--capture-port", str(self.capture_port), "--expose", a.harbor_expose,
             "--max-output-tokens", str(a.max_completion_length)]
         if served_model:
             cmd += ["--model", served_model]
@@ -1274,11 +1374,13 @@ class EmbeddedHarborServer:
         with self.log_path.open("a") as log:
             log.write(f"\n===== {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: {shlex.join(cmd)}\n")
             log.flush()
+            started_at = log.tell()
+            env = {**os.environ, **harbor_server_env(), "MAX_CONCURRENT_ENVS": str(slots)}
             try:
                 # PR_SET_PDEATHSIG (prctl 1): the kernel sends the server SIGTERM when its parent thread ends, even by
                 # SIGKILL or OOM, when no cleanup of ours runs.
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env={**os.environ, "MAX_CONCURRENT_ENVS": str(slots)},
+                                             env=env,
                                              start_new_session=True,
                                              preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGTERM))
             except OSError as exc:
@@ -1290,9 +1392,15 @@ class EmbeddedHarborServer:
                                  f"{self.log_path})")
             try:
                 http_json(f"{self.url}/harbor_env/splits", timeout=5)
-                return time.monotonic() - t0
             except (OSError, ValueError):
                 time.sleep(0.5)
+                continue
+            # openenv 0.10's serve_harbor prints `capture   <where> -> <URL>` before it serves; no route reports it.
+            with self.log_path.open(errors="replace") as log:
+                log.seek(started_at)
+                printed = re.search(r"^capture\s.* -> (\S+)\s*$", log.read(), re.M)
+            self.public_url = printed[1].rstrip("/") if printed else ""
+            return time.monotonic() - t0
         self.stop()
         raise UsageError(f"the Harbor server did not answer within {timeout_s:.0f}s; see {self.log_path}")
 
@@ -1547,6 +1655,12 @@ class Preflight:
         """A WARN that a later check proved harmless turns PASS, saying how."""
         self.rows = [(c, PASS, f"{d}; {how}", "") if c == check and s == WARN else (c, s, d, f)
                      for c, s, d, f in self.rows]
+
+    def settle(self, check: str, status: str, how: str, fix: str = "") -> bool:
+        """A row judged before a later check could look: that check's status (PASS keeps the row's own), saying how."""
+        self.rows = [(c, s if status == PASS else status, f"{d}; {redact(how)}", f if status == PASS else fix)
+                     if c == check else (c, s, d, f) for c, s, d, f in self.rows]
+        return status != FAIL
 
     @property
     def failures(self) -> list[tuple[str, str, str, str]]:
@@ -2423,6 +2537,30 @@ def check_capture_url(pf: Preflight) -> None:
         pf.add("capture URL", PASS, f"--harbor-expose {args.harbor_expose}")
 
 
+def check_capture_reached(pf: Preflight) -> None:
+    """Our server started: one request through the URL it hands every sandbox (the tunnel's, when one is picked)
+    reaches this server's own capture proxy. Training asks it again before each rollout (`reach_capture`)."""
+    server, fix = pf.server, "a URL that does not answer here answers no sandbox: check this host's outbound " \
+                             "access to the tunnel's service, or pick another --harbor-expose"
+    if not server.public_url:
+        pf.sandbox_reachable = pf.settle("capture URL", FAIL, "the Harbor server printed no `capture ... -> URL` "
+                                         f"line (log: {server.log_path})", fix)
+        return
+    try:
+        ours = http_json(f"http://127.0.0.1:{server.capture_port}/health", timeout=15)
+        theirs = http_json(f"{server.public_url}/health", timeout=30)
+    except (OSError, ValueError) as exc:
+        pf.sandbox_reachable = pf.settle("capture URL", FAIL, f"{server.public_url}/health, the URL every sandbox "
+                                         f"is given, does not answer here ({type(exc).__name__}: {exc})", fix)
+        return
+    if not isinstance(theirs, dict) or theirs.get("instance") != ours.get("instance"):
+        pf.sandbox_reachable = pf.settle("capture URL", FAIL, f"{server.public_url}/health answers, but not as this "
+                                         f"server's capture proxy ({str(theirs)[:200]})", fix)
+        return
+    pf.settle("capture URL", PASS, f"{server.public_url}/health reached this server's capture proxy from here")
+    pf.args.capture_url = server.public_url
+
+
 def check_harbor_waits_for_vllm(pf: Preflight) -> None:
     pf.add("Harbor server", SKIP, "not checked: vLLM must answer first (the server samples from it); harness, "
            "sandbox, dataset and task names are checked once it does")
@@ -2465,7 +2603,10 @@ def check_harbor_server(pf: Preflight) -> None:
         return
     finally:
         client.close()
-    if server is None:
+    if server is None and args.sandbox in TEMPLATE_BUILDING_SANDBOXES:
+        pf.add("Harbor server", PASS, f"{args.harbor_url} (yours; its environment is not visible from here: it "
+               f"needs HARBOR_SHARED_ENV_NAME and OPENENV_HARBOR_AGENT_VERSIONS, docs/harbor-server.md)")
+    elif server is None:
         pf.add("Harbor server", PASS, f"{args.harbor_url} (yours)")
     pf.splits, pf.capabilities = splits, capabilities
 
@@ -2597,6 +2738,33 @@ def check_eval_tasks(pf: Preflight) -> None:
         pf.add("eval tasks", FAIL, str(exc).replace("--tasks", "--eval-tasks", 1))
 
 
+# A sandbox provider's plan refusing Harbor's sandboxes, as a rollout's result holds it: Harbor records the e2b SDK's
+# exception type (e2b/api/__init__.py maps the API's HTTP status to it) and message as exception_type and error.
+PLAN_REFUSALS = {
+    "RateLimitException": ("refused another sandbox (429): the plan's concurrent-sandbox limit (or its start rate) is "
+                           "reached", "lower --max-inflight to at most the plan's concurrent sandboxes (e2b: 20 on "
+                           "Hobby, 100 on Pro) less those other runs hold, or raise the plan's limit"),
+    "ServiceBusyException": ("had no capacity for a sandbox (503)", "retry later; nothing was started"),
+    "AuthenticationException": ("refused the API key (401)", "set a valid key (E2B_API_KEY) where the Harbor server "
+                                                             "runs"),
+    "SandboxNotRunningException": ("ended the sandbox mid-rollout (killed, or its lifetime ran out)",
+                                   "lower --agent-timeout: with setup and verification it must fit the plan's sandbox "
+                                   "lifetime"),
+    # e2b answers a lifetime beyond the plan's with a plain SandboxException (400), told apart by its text alone.
+    "Timeout cannot be greater than": (
+        "refused the sandbox's lifetime (400): Harbor asks 24 h for every e2b sandbox (harbor 0.25's E2BEnvironment; "
+        "openenv 0.10 passes no shorter one), beyond the plan's cap", "a plan whose sandboxes may live 24 h (e2b Pro; "
+                                                                      "Hobby caps them at 1 h)"),
+}
+
+
+def plan_refusal(r: HarborRolloutResult) -> tuple[str, str] | None:
+    """(what the provider refused, the fix) when a rollout's sandbox was refused by the plan or quota, else None."""
+    lifetime = "Timeout cannot be greater than"
+    return PLAN_REFUSALS.get(lifetime if r.exception_type == "SandboxException" and lifetime in (r.error or "")
+                             else r.exception_type or "")
+
+
 def check_probe_rollout(pf: Preflight) -> None:
     """One real rollout, scored by the verifier: proves sandbox, harness, capture URL and reward key end to end."""
     args, task = pf.args, pf.plan["tasks"][0]
@@ -2623,7 +2791,10 @@ def check_probe_rollout(pf: Preflight) -> None:
         return
     if r.reward is not None:
         pf.add("reward key", PASS, f"{key!r} = {r.reward:g} ({', '.join(sorted(r.rewards)) or 'none'} emitted)")
-    if failure is not None:
+    if failure is not None and (refused := plan_refusal(r)):
+        pf.add("probe rollout", FAIL, f"{where}: {args.sandbox} {refused[0]} ({r.exception_type}: "
+               f"{' '.join((r.error or '').split())[:300]})", refused[1])
+    elif failure is not None:
         pf.add("probe rollout", FAIL, f"{where}: {failure.message[:500]}",
                f"read the agent log tail: {r.agent_log_tail[-200:]!r}" if r.agent_log_tail else "")
     else:
@@ -2703,6 +2874,9 @@ PREFLIGHT_CHECKS = [
                    "a Harbor server started for a vLLM that does not answer: it samples from it"),
     PreflightCheck(("Harbor server",), check_harbor_server, ("ready_for_harbor",),
                    "a Harbor server that is down or fails to start (its log's tail is on the row)"),
+    PreflightCheck(("capture URL",), check_capture_reached, ("own_server", "harbor_answers"),
+                   "paid rollouts whose harness cannot reach the capture proxy: the URL the sandboxes are given is "
+                   "asked once here, and before each rollout during training"),
     PreflightCheck(("harness",), check_harness, ("harbor_answers",),
                    "a harness name with a typo, or one this server cannot run"),
     PreflightCheck(("sandbox",), check_sandbox, ("harbor_answers",),
@@ -2717,7 +2891,7 @@ PREFLIGHT_CHECKS = [
                    "task names or indices the served split lacks"),
     PreflightCheck(("eval tasks",), check_eval_tasks, ("tasks_found", "eval_tasks_given"),
                    "held-out tasks the served split lacks, found at the first eval"),
-    PreflightCheck(("reward key", "probe rollout"), check_probe_rollout, ("tasks_found",),
+    PreflightCheck(("reward key", "probe rollout"), check_probe_rollout, ("tasks_found", "sandbox_reachable"),
                    "a reward key the verifier never emits, so that every reward is 0; one rollout proves sandbox, "
                    "harness, capture URL and reward key end to end"),
 ]

@@ -363,6 +363,9 @@ def test_readme_harbor_server_gets_the_settings_the_script_gives_its_own():
         assert words[words.index("--max-output-tokens") + 1] == help_default("--max-completion-length")
         envs = dict(w.split("=", 1) for w in words[:words.index("openenv")] if "=" in w)
         assert int(envs["MAX_CONCURRENT_ENVS"]) >= 2 * int(help_default("--max-inflight"))
+        # e2b templates shared per environment, and the harness version the script's own server pins.
+        assert envs["HARBOR_SHARED_ENV_NAME"] == load_script().SHARED_TEMPLATE_NAME
+        assert json.loads(envs["OPENENV_HARBOR_AGENT_VERSIONS"]) == load_script().HARNESS_VERSIONS
 
 
 def test_the_readme_test_command_is_what_ci_runs():

@@ -18,18 +18,33 @@ tests, can wait for the port: `serve_when_port_free`).
    harness installs itself from the network, which this machine cannot reach; rotating between two names
    is what the tests need, and the twin runs the real agent with the real wiring.
 
+4. With RIG_TUNNEL_DIR set, `--expose gradio` opens the rig's tunnel stand-in (tunnel.py, its pid in
+   RIG_TUNNEL_DIR/tunnel.pid) instead of gradio's, which needs the internet: the sandbox is handed its URL.
+5. With RIG_E2B_STANDIN set, `sandbox="e2b"` runs in the local sandbox (e2b needs the internet), so a run takes
+   every path the script takes for e2b.
+6. `sandbox="local-refused"`: a backend whose plan refuses every sandbox with the e2b SDK's own exception, as
+   RIG_SANDBOX_REFUSAL says (`concurrency` or `lifetime`; local_sandbox.RefusedSandbox).
+
 Session slots: OpenEnv sizes them from `MAX_CONCURRENT_ENVS` (default 4), one per connected client.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
+
+from openenv.core.harness.capture.forwarding import PortForwarder
 
 RIG_DIR = Path(__file__).resolve().parent
 # Sandbox name -> Harbor environment class. `local-down` is the same sandbox with its backend down.
-SANDBOXES = {"local": "local_sandbox:LocalSandbox", "local-down": "local_sandbox:UnreachableSandbox"}
+SANDBOXES = {"local": "local_sandbox:LocalSandbox", "local-down": "local_sandbox:UnreachableSandbox",
+             "local-refused": "local_sandbox:RefusedSandbox"}
+if os.environ.get("RIG_E2B_STANDIN"):  # e2b needs the internet: its rollouts run in the local sandbox instead
+    SANDBOXES["e2b"] = SANDBOXES["local"]
 
 # Identical to the PATH prelude of Harbor's own mini-swe-agent run command, so "present" means
 # "the run command will find it".
@@ -103,6 +118,37 @@ def register_twin_harness() -> None:
                                         import_path="harbor.agents.installed.mini_swe_agent:MiniSweAgent")
 
 
+class RigTunnel(PortForwarder):
+    """openenv's forwarder for gradio, played by tunnel.py: the URL it returns is the tunnel's own port."""
+
+    def start(self, local_port: int, *, local_host: str = "127.0.0.1") -> str:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        pid_file = Path(os.environ["RIG_TUNNEL_DIR"]) / "tunnel.pid"
+        pid_file.unlink(missing_ok=True)
+        self._proc = subprocess.Popen([sys.executable, str(RIG_DIR / "tunnel.py"), str(port), str(local_port),
+                                       str(pid_file)], start_new_session=True)
+        while not pid_file.exists() or not pid_file.read_text():  # written once it listens
+            if self._proc.poll() is not None:
+                raise RuntimeError("rig tunnel exited at start")
+            time.sleep(0.05)
+        self._url = f"http://127.0.0.1:{port}"
+        return self._url
+
+    def stop(self) -> None:
+        if getattr(self, "_proc", None) is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def register_tunnel_standin() -> None:
+    if os.environ.get("RIG_TUNNEL_DIR"):
+        from openenv.core.harness.capture import forwarding
+
+        forwarding._FORWARDERS["gradio"] = RigTunnel
+
+
 def serve_when_port_free() -> None:
     """RIG_SERVE_WHEN_PORT_FREE=1: a successor for a restart test. It imports what a start spends most of its time on
     now, then waits until the server it replaces is gone from the port, so the restart takes seconds on a loaded
@@ -136,6 +182,7 @@ def main() -> None:
     register_local_sandbox()
     skip_preinstalled_agent_install()
     register_twin_harness()
+    register_tunnel_standin()
     if os.environ.get("RIG_SERVE_WHEN_PORT_FREE"):
         serve_when_port_free()
     from openenv.cli.__main__ import main as openenv_main

@@ -325,3 +325,18 @@ class UnreachableSandbox(LocalSandbox):
 
     async def start(self, force_build: bool) -> None:
         raise ConnectionError("sandbox backend unreachable (rig: local-down)")
+
+
+class RefusedSandbox(LocalSandbox):
+    """A backend whose plan refuses every sandbox, raising what the e2b SDK raises for the API's answer
+    (e2b/api/__init__.py): `concurrency`, its 429 at the plan's concurrent-sandbox limit; `lifetime`, its 400 for a
+    sandbox timeout beyond the plan's cap (Harbor asks 24 h). The messages are e2b's API's own."""
+
+    async def start(self, force_build: bool) -> None:
+        from e2b.exceptions import RateLimitException, SandboxException
+
+        if os.environ.get("RIG_SANDBOX_REFUSAL") == "lifetime":
+            raise SandboxException("400: Timeout cannot be greater than 1 hours")
+        raise RateLimitException("429: Rate limit exceeded, please try again later. - you have reached the maximum "
+                                 "number of concurrent E2B sandboxes (20). If you need more, please contact us at "
+                                 "'https://e2b.dev/docs/getting-help'")
