@@ -104,11 +104,12 @@ def choice_under_the_served_weights(rig: Rig) -> dict:
 
 
 def build_choice_model(cache: Path) -> Path:
-    """The rig's tiny model with the four answers interchangeable, built once per recipe under `cache`."""
+    """The rig's tiny model with the four answers interchangeable and warmed to the engine's scripted action (its
+    format near-certain, so the rollouts are on-policy), built once per recipe under `cache`."""
     recipe = hashlib.sha256((RIG / "tiny_model.py").read_bytes() + ",".join(ANSWERS).encode()).hexdigest()[:16]
-    model = cache / f"tiny-qwen3-choice-{recipe}"
-    subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(model), "--interchangeable", ",".join(ANSWERS)],
-                   check=True)
+    model = cache / f"tiny-qwen3-choice-warm-{recipe}"
+    subprocess.run([sys.executable, str(RIG / "tiny_model.py"), str(model), "--interchangeable", ",".join(ANSWERS),
+                    "--warm"], check=True)
     return model
 
 
