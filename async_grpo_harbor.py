@@ -3099,7 +3099,8 @@ class RolloutAccounting:
             logs["harbor/trained/informative_token_frac"] = informative / tokens
         (high, low, beyond, terms), self.ratios = self.ratios, (-math.inf, math.inf, 0.0, 0.0)
         if terms:
-            logs |= {"harbor/ratio_max": high, "harbor/ratio_min": low, "harbor/ratio_beyond_bound_frac": beyond / terms}
+            logs |= {"harbor/ratio_max": high, "harbor/ratio_min": low,
+                     "harbor/ratio_beyond_bound_frac": beyond / terms}
         self.count(logs)
         self.totals.update(trained_tokens=tokens, informative_tokens=informative)
 
