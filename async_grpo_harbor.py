@@ -277,6 +277,10 @@ class HarborGRPOConfig(AsyncGRPOConfig):
                                 "MAX_CONCURRENT_ENVS to at least twice this.")
     max_staleness: int = arg(4, "Optimizer steps a rollout may lag the current policy before it is dropped; never "
                                 "below 1 in practice, as accelerate prefetches one batch.")
+    delta: float = arg(
+        3.0, "Dual clip: a trained token whose importance ratio (trainer / engine probability) exceeds this adds no "
+             "gradient and at most delta x |advantage| to the loss, TRL GRPOConfig's `delta`; 0: off, TRL "
+             "AsyncGRPO's one-sided clip (docs/flags.md).")
     temperature: float = arg(
         1.0, "Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
     max_completion_length: int = arg(
@@ -391,7 +395,7 @@ HELP_GROUPS = {
     "tasks and rollouts": ["tasks", "harness", "sandbox", "agent_step_limit", "agent_timeout", "max_completion_length",
                            "temperature", "max_inflight"],
     "reward": ["reward_key", "efficiency_weight"],
-    "training": ["num_generations", "micro_batches_per_step", "learning_rate", "max_steps", "max_staleness",
+    "training": ["num_generations", "micro_batches_per_step", "learning_rate", "max_steps", "max_staleness", "delta",
                  "max_zero_variance_groups", "max_consecutive_failures"],
     "run dir, checkpoints and logging": ["output_dir", "run_name", "resume", "save_steps", "save_total_limit",
                                          "report_to", "project"],
@@ -522,6 +526,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.temperature > 0:
         raise UsageError(f"--temperature must be > 0 (got {args.temperature}): the proxy enforces a "
                          "full-vocabulary sampling policy")
+    clip = 1 + (config.epsilon_high if config.epsilon_high is not None else config.epsilon)
+    if args.delta and not args.delta > clip or args.delta < 0:
+        raise UsageError(f"--delta must be above 1 + --epsilon-high ({clip:g}), or 0 to turn the bound off (got "
+                         f"{args.delta:g}): below it, the bound would cut what the clip lets through")
     if not 0 <= args.efficiency_weight < 1:
         raise UsageError(f"--efficiency-weight must be in [0, 1) (got {args.efficiency_weight}): at 1 the bonus would "
                          "reach the next correctness level")
@@ -3295,6 +3303,7 @@ class RolloutAccounting:
         self.collated: collections.deque = collections.deque()  # (samples per group, loss tokens, informative ones)
         self.step_batches: list[tuple[collections.Counter, int, int]] = []
         self.totals: collections.Counter = collections.Counter()
+        self.ratios = (-math.inf, math.inf, 0.0, 0.0)  # this step's ratio max, min, terms beyond --delta, terms
 
     def launch_records(self, path: Path) -> list[dict[str, Any]]:
         if not path.is_file():
@@ -3325,6 +3334,11 @@ class RolloutAccounting:
 
         return counted
 
+    def add_ratios(self, high: float, low: float, beyond: float, terms: float) -> None:
+        """One micro-batch's importance ratios over every rank (HarborGRPOTrainer.bound_ratio)."""
+        h, l, b, t = self.ratios
+        self.ratios = (max(h, high), min(l, low), b + beyond, t + terms)
+
     def take_microbatch(self) -> None:
         if self.collated:
             self.step_batches.append(self.collated.popleft())
@@ -3348,6 +3362,10 @@ class RolloutAccounting:
                  "harbor/trained/groups": float(len(trained)), "harbor/trained/samples": float(samples)}
         if tokens:
             logs["harbor/trained/informative_token_frac"] = informative / tokens
+        (high, low, beyond, terms), self.ratios = self.ratios, (-math.inf, math.inf, 0.0, 0.0)
+        if terms:
+            logs |= {"harbor/ratio_max": high, "harbor/ratio_min": low,
+                     "harbor/ratio_beyond_bound_frac": beyond / terms}
         self.count(logs)
         self.totals.update(trained_tokens=tokens, informative_tokens=informative)
 
@@ -3361,7 +3379,8 @@ class RolloutAccounting:
             f"{int(got['rollouts_total'])} rollouts ({logs['harbor/rollouts_per_min']:.1f}/min), sandbox "
             f"{got['sandbox_s_total']:.0f}s, solve rate {'-' if rate is None else f'{rate:.2f}'} "
             f"({round((rate or 0) * scored)}/{scored}), errors {int(got['errors_total'])}{errors}; trained "
-            f"{len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, {tokens} tokens{signal}")
+            f"{len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, {tokens} tokens{signal}"
+            + (f"; importance ratio {low:.3g}-{high:.3g}, {beyond / terms:.0%} beyond the bound" if terms else ""))
 
     def finish(self, queued_samples: int, held_out: dict[int, float | None]) -> None:
         """The run's totals, once TRL's rollout child has stopped: produced, trained, and why the rest was not."""
@@ -3854,6 +3873,41 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
         if self.accelerator.is_main_process:
             self.accounting.take_microbatch()
         return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # TRL's loss reads the forward's `log_probs` at `token_index` against `old_log_probs`, the engine's: bounded
+        # on the way out of the forward, every loss term and TRL's own metrics (`ratio`, `kl`) see the bounded ratio.
+        hook = model.register_forward_hook(functools.partial(self.bound_ratio, inputs))
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            hook.remove()
+
+    def bound_ratio(self, inputs, _module, _args, outputs):
+        """The dual clip (--delta): TRL clips the ratio r = p_trainer / p_engine only where it helps the advantage's
+        sign, so a token with a negative advantage whose probability grew far past the engine's adds r x |A| to the
+        loss, unbounded (measured on the CPU rig: r 1.9e8, grad norm 6e9). Capping r at delta, as TRL's GRPOConfig
+        `delta` does, leaves such a token delta x |A| and no gradient. A packed position several samples share (a
+        group's common prefix) is capped at its lowest bound, so no term's ratio exceeds delta. The ratio's range and
+        the share of terms beyond the bound, before it, go to the step's log (RolloutAccounting)."""
+        selected = inputs["token_index"] >= 0
+        index, old = inputs["token_index"][selected], inputs["old_log_probs"][selected]
+        log_probs = outputs.log_probs.flatten()
+        with torch.no_grad():
+            ratio = torch.exp(log_probs[index].float() - old.float())
+            delta = self.args.delta or math.inf
+            extremes = (torch.stack([ratio.max(), -ratio.min()]) if ratio.numel()
+                        else torch.full((2,), -math.inf, device=ratio.device))
+            extremes = self.accelerator.gather(extremes[None]).amax(0)
+            counts = self.accelerator.reduce(torch.stack([(ratio > delta).sum().float(),
+                                                          torch.tensor(float(ratio.numel()), device=ratio.device)]),
+                                             reduction="sum")
+            self.accounting.add_ratios(extremes[0].item(), -extremes[1].item(), *counts.tolist())
+        if self.args.delta:
+            cap = torch.full_like(log_probs, math.inf).scatter_reduce(
+                0, index, (old + math.log(self.args.delta)).to(log_probs.dtype), reduce="amin")
+            outputs.log_probs = torch.minimum(log_probs, cap).view_as(outputs.log_probs)
+        return outputs
 
     def resume_position(self) -> tuple[list[int], int]:
         """Unsettled visits and the next visit, for rollout_state.json. Settled, never run again: a group an

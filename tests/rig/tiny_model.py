@@ -35,6 +35,7 @@ EOS, PAD = "<|im_end|>", "<|endoftext|>"
 BPE_VOCAB = 1024
 SEED = 0
 LOGIT_SCALE = 5.0
+WARM_STEPS, WARM_LR = 150, 1e-2  # --warm: enough for the action's format to be near-certain (_warm_up prints it)
 # Hashed into the stamp, so editing this file invalidates old builds instead of silently reusing them.
 RECIPE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 STAMP = "rig_build.json"
@@ -144,34 +145,34 @@ def _chat_template() -> str:
     return qwen3_instruct_2507_chat_template
 
 
-def is_built(out_dir, interchangeable: tuple[str, ...] = ()) -> bool:
+def is_built(out_dir, interchangeable: tuple[str, ...] = (), warm: bool = False) -> bool:
     out = Path(out_dir)
     try:
         stamp = json.loads((out / STAMP).read_text())
     except (OSError, ValueError):
         return False
     return (stamp.get("recipe") == RECIPE and stamp.get("interchangeable", []) == list(interchangeable)
-            and all((out / name).is_file() for name in FILES))
+            and stamp.get("warm", False) == warm and all((out / name).is_file() for name in FILES))
 
 
-def build(out_dir, interchangeable: tuple[str, ...] = ()) -> Path:
+def build(out_dir, interchangeable: tuple[str, ...] = (), warm: bool = False) -> Path:
     """Build into `out_dir` unless it already holds this recipe's build; returns the directory.
 
     Several processes may ask for one directory at once (the suite's xdist workers share AGH_CACHE_DIR, and so do
     checkouts on one machine): builders take turns on a lock beside it, and each build is written to a private
     directory and renamed into place, so a reader sees either no build or a whole one, never files being written."""
     out = Path(out_dir)
-    if is_built(out, interchangeable):
+    if is_built(out, interchangeable, warm):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_built(out, interchangeable):  # built by the holder we waited for
+        if is_built(out, interchangeable, warm):  # built by the holder we waited for
             return out
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         staging.chmod(0o755)  # as a plain mkdir would make it, not mkdtemp's private 0700
         try:
-            _write(staging, interchangeable)
+            _write(staging, interchangeable, warm)
             if out.exists():  # a build of another recipe, or one left unfinished by a crash
                 shutil.rmtree(out)
             staging.rename(out)
@@ -180,7 +181,7 @@ def build(out_dir, interchangeable: tuple[str, ...] = ()) -> Path:
     return out
 
 
-def _write(out: Path, interchangeable: tuple[str, ...]) -> None:
+def _write(out: Path, interchangeable: tuple[str, ...], warm: bool = False) -> None:
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -228,15 +229,87 @@ def _write(out: Path, interchangeable: tuple[str, ...]) -> None:
             ids += encoded
         for weight in (model.model.embed_tokens.weight, model.lm_head.weight) if ids else ():
             weight[ids] = weight[ids[0]].clone()
+    if warm:
+        _warm_up(model, tokenizer, interchangeable, ids)
     # No sampling defaults: vLLM would adopt them as the server's default temperature/top_p/top_k.
     model.generation_config = GenerationConfig(eos_token_id=[eos_id], pad_token_id=pad_id)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / STAMP).write_text(json.dumps({"recipe": RECIPE, "vocab_size": len(tokenizer),
-                                         "interchangeable": list(interchangeable)}))
+                                         "interchangeable": list(interchangeable), "warm": warm}))
+
+
+def _warm_up(model, tokenizer, answers: tuple[str, ...], answer_ids: list[int]) -> None:
+    """A supervised pass to the rig engine's scripted action (tests/rig/engine.py): turn 0 writes each answer to
+    /app/answer.txt, turn 1 submits, each after a mini-swe-agent-like conversation, the loss on the action's tokens
+    only. Unwarmed, those tokens are ones a random model almost never writes: their logprobs, which the engine reports
+    as the model's own, are tiny, so the first updates move them by orders of magnitude and every later sample is far
+    off-policy (importance ratios of 1e3-1e8). Warmed, the format is near-certain and only the answer is the model's
+    choice. The answers' rows are averaged at the end, so the model still cannot tell them apart."""
+    import random
+
+    import torch
+    from engine import SUBMIT, _tool_call_text, _write_command
+
+    bash = {"type": "function", "function": {
+        "name": "bash", "description": "Execute a bash command", "parameters": {"type": "object", "properties": {
+            "command": {"type": "string", "description": "The bash command to execute"}}, "required": ["command"]}}}
+    lines = [line for line in CORPUS.splitlines() if line.strip()]
+    instruction = (f"Task choose: exactly one of the words {', '.join(answers[:-1])} and {answers[-1]} is right. "
+                   "Write the right one to the file /app/answer.txt.\n\nrig-task: choose")
+    rng = random.Random(SEED)
+
+    def conversation() -> list[dict]:  # mini-swe-agent's shape; its wording and the machine's uname vary
+        body = rng.sample(lines, rng.randint(len(lines) // 2, len(lines)))
+        uname = f"Linux {rng.randint(4, 7)}.{rng.randint(0, 20)}.{rng.randint(0, 99)} x86_64"
+        return [{"role": "system", "content": "You are a helpful assistant that can interact with a computer."},
+                {"role": "user", "content": f"Please solve this issue: {instruction}\n\n" + "\n".join(body)
+                 + f"\n<system_information>\n{uname}\n</system_information>"}]
+
+    def sequence(messages: list[dict], action: str) -> tuple[list[int], int]:
+        prompt = tokenizer.apply_chat_template(messages, tools=[bash], add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        return ids + tokenizer.encode(action, add_special_tokens=False) + [tokenizer.eos_token_id], len(ids)
+
+    def batch() -> list[tuple[list[int], int]]:
+        messages, write = conversation(), _write_command(rng.choice(answers), "/app/answer.txt")
+        turn = {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "bash", "arguments": {"command": write}}}]}
+        result = {"role": "tool", "content": '{\n  "returncode": 0,\n  "output": ""\n}'}
+        return [sequence(messages, _tool_call_text(write)),
+                sequence([*messages, turn, result], _tool_call_text(SUBMIT))]
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_LR, weight_decay=0.0)
+    for _ in range(WARM_STEPS):
+        rows = batch()
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+        labels = torch.full((len(rows), width), -100)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (seq, start) in enumerate(rows):
+            ids[i, :len(seq)], labels[i, start:len(seq)], mask[i, :len(seq)] = (
+                torch.tensor(seq), torch.tensor(seq[start:]), 1)
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad():  # the answers' rows, trained alike, equal again to the last bit
+        for weight in (model.model.embed_tokens.weight, model.lm_head.weight):
+            weight[answer_ids] = weight[answer_ids].mean(0)
+        worst = 0.0
+        for seq, start in batch():
+            logp = model(torch.tensor([seq])).logits[0].log_softmax(-1)
+            token = logp[start - 1:len(seq) - 1].gather(1, torch.tensor(seq[start:])[:, None])[:, 0]
+            worst = min(worst, float(token[[i for i, t in enumerate(seq[start:]) if t not in answer_ids]].sum()))
+    print(f"warm-up: {WARM_STEPS} steps; the action's format tokens, on a held-out conversation: logprob sum >= "
+          f"{worst:.3f}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 4) or len(sys.argv) == 4 and sys.argv[2] != "--interchangeable":
-        sys.exit("usage: python tests/rig/tiny_model.py OUT_DIR [--interchangeable W1,W2,...]")
-    print(build(sys.argv[1], tuple(sys.argv[3].split(",")) if len(sys.argv) == 4 else ()))
+    argv = sys.argv[1:]
+    warm = "--warm" in argv
+    argv = [a for a in argv if a != "--warm"]
+    if len(argv) not in (1, 3) or len(argv) == 3 and argv[1] != "--interchangeable" or warm and len(argv) != 3:
+        sys.exit("usage: python tests/rig/tiny_model.py OUT_DIR [--interchangeable W1,W2,... [--warm]]")
+    print(build(argv[0], tuple(argv[2].split(",")) if len(argv) == 3 else (), warm))
