@@ -35,7 +35,8 @@ stay at chance (its last window's solve count no more surprising at chance than 
 highest control's), `pass` (every seed passes its bound and every control stays at chance), and `by_seed`.
 
 Per optimizer step (from the last checkpoint's log history and rollouts.jsonl): solve rate, malformed actions (a
-rollout whose agent did not submit on its one turn), TRL's importance ratio mean and bench/ratio_main.py's max/min,
+rollout whose agent did not submit on its one turn), TRL's importance ratio mean (after the script's dual clip)
+and the script's own max/min and share beyond the bound (before it, `harbor/ratio_*`),
 the clipped fraction, KL, grad norm, and the weight push's seconds (`perf/weight_sync_s`). The probability the model
 gives `fox` (the served weights, read from vLLM every few seconds at the candidate position of a fixed prompt) is
 drawn beside them.
@@ -95,8 +96,8 @@ BASH_TOOL = {"type": "function", "function": {
                    "required": ["command"]}}}
 INSTRUCTION = (TASKS / TASK / "instruction.md").read_text()
 PREFLIGHT_ROW = re.compile(r"^  (PASS|WARN|FAIL|SKIP)  (.+?)  +(.*)$", re.M)
-STEP_METRICS = ("ratio", "bench/ratio_min", "bench/ratio_max", "clip_ratio/region_mean", "kl", "grad_norm",
-                "perf/weight_sync_s")
+STEP_METRICS = ("ratio", "harbor/ratio_min", "harbor/ratio_max", "harbor/ratio_beyond_bound_frac",
+                "clip_ratio/region_mean", "kl", "grad_norm", "perf/weight_sync_s")
 # A small Qwen3 (~3M parameters with the rig's 1k vocabulary): big enough to hold the action on any prompt.
 SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
@@ -411,7 +412,7 @@ def one_run(name: str, model: Path, work: Path, lr: str, seed: int, steps: int, 
         split = get_json(f"{harbor_url}/harbor_env/splits")[0]["name"]
         probe = ProbeRight(vllm_url, served, tokenizer)
         out = work / "out"
-        cmd = [sys.executable, str(ROOT / "bench" / "ratio_main.py"),
+        cmd = [sys.executable, str(ROOT / "async_grpo_harbor.py"),
                *script_args(model, vllm_url, harbor_url, split, out, lr, steps, seed)]
         proc = subprocess.Popen(cmd, cwd=work, env=base_env(), text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -499,7 +500,7 @@ def rate(k: int, n: int) -> float | None:
 def seed_summary(learning: dict, control: dict | None) -> dict:
     first = learning["steps"][0] if learning.get("steps") else {"solved": 0, "rollouts": 0}
     last = learning.get("last", {"rollouts": 0, "solved": 0})
-    ratios = [s["bench/ratio_max"] for s in learning.get("steps", []) if s.get("bench/ratio_max") is not None]
+    ratios = [s["harbor/ratio_max"] for s in learning.get("steps", []) if s.get("harbor/ratio_max") is not None]
     pushes = [s["perf/weight_sync_s"] for s in learning.get("steps", []) if s.get("perf/weight_sync_s")]
     last_rate = rate(last["solved"], last["rollouts"])
     control_last = (control or {}).get("last", {"rollouts": 0, "solved": 0})
@@ -559,10 +560,10 @@ def plot(results: dict, path: Path, card: str) -> None:
         if r.get("probe") and learning:
             ax.plot([p["after_steps"] for p in r["probe"]], [p["p_right"] for p in r["probe"]], ".", color=color,
                     alpha=0.3, ms=3, label=f"{name}: vLLM's probability of {RIGHT!r} (fixed prompt)")
-        timed = [s for s in steps if s.get("bench/ratio_max") is not None]
+        timed = [s for s in steps if s.get("harbor/ratio_max") is not None]
         if timed and learning:
-            ratio_ax.fill_between([s["step"] for s in timed], [s["bench/ratio_min"] for s in timed],
-                                  [s["bench/ratio_max"] for s in timed], color=color, alpha=0.2)
+            ratio_ax.fill_between([s["step"] for s in timed], [s["harbor/ratio_min"] for s in timed],
+                                  [s["harbor/ratio_max"] for s in timed], color=color, alpha=0.2)
             ratio_ax.plot([s["step"] for s in timed], [s["ratio"] for s in timed], style, color=color, ms=4,
                           label=f"{name}: importance ratio, mean (line) and range (band)")
     ax.axhline(CHANCE, color="grey", lw=0.8, ls=":", label="chance (1/4)")
