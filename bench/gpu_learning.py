@@ -21,10 +21,10 @@ own samples of the warmed policy, and their malformed count is the check on the 
 
 Seeds: one warmed model (the fixed starting checkpoint, as an SFT model would be), then one learning run per RL seed
 (`--seeds`: the script's --seed and vLLM's sampling seed) and an lr-0 control per seed (`--control-seeds`), all side
-by side on the card, each with its own vLLM and Harbor server. The vLLMs start one after another, each once the one
-before answers: a vLLM sizes its KV cache by profiling the card's memory, and one that starts while another allocates
-counts the other's memory as its own (on an 80 GB card two at once failed with `No available memory for the cache
-blocks`).
+by side on the card, each with its own vLLM and Harbor server. Each vLLM is given its KV cache size
+(`--kv-cache-memory-bytes`) instead of sizing it by profiling the card: a vLLM that profiles while another allocates
+counts the other's memory as its own (on an 80 GB card two started at once failed with `No available memory for the
+cache blocks`), and starting them one after another costs ~100 s each.
 
 Bound, stated before the run (printed first and kept in the JSON): chance is 1/4; PASS when the solve rate of the
 last LAST_STEPS optimizer steps' rollouts (and any finished after the last step) is >= PASS_RATE, whose probability
@@ -41,7 +41,7 @@ the clipped fraction, KL, grad norm, and the weight push's seconds (`perf/weight
 gives `fox` (the served weights, read from vLLM every few seconds at the candidate position of a fixed prompt) is
 drawn beside them.
 
-    python bench/gpu_learning.py [--steps 40] [--lr 1e-4] [--seeds 1,2] [--control-seeds 1,2] [--deadline-s 540] \
+    python bench/gpu_learning.py [--steps 40] [--lr 1e-4] [--seeds 1,2] [--control-seeds 1,2] [--deadline-s 480] \
         [--out $OUT/<date>-<card>-one-gpu-learning]
     python bench/gpu_learning.py --warmup-only --device cpu   # the warm-up alone, sampled with transformers
     python bench/gpu_learning.py --report OUT.json            # redraw OUT.png from a finished run's JSON
@@ -80,6 +80,8 @@ ANSWERS = ["cat", "dog", "fox", "tag"]
 RIGHT = "fox"  # what tests/rig/tasks/choose/tests/test.sh rewards
 CHANCE = 1 / len(ANSWERS)
 PASS_RATE = 0.6
+# Each vLLM's KV cache: ~1M tokens of this model, far more than 16 one-turn rollouts hold.
+KV_CACHE_BYTES = 2 * 2**30
 # A control whose last window is less likely than this at chance has moved: it fails.
 CONTROL_TAIL = 1e-3
 LAST_STEPS = 3
@@ -306,7 +308,7 @@ def sample_actions(vllm_url: str, served: str, n: int = 64) -> dict:
     reply = post_json(f"{vllm_url}/v1/chat/completions", {
         "model": served, "messages": [{"role": "system", "content": PROBE_MESSAGES[0]["content"]},
                                       {"role": "user", "content": INSTRUCTION}],
-        "tools": [BASH_TOOL], "temperature": 1.0, "n": n, "max_tokens": 96}, timeout=120)
+        "tools": [BASH_TOOL], "temperature": 1.0, "n": n, "max_tokens": 96}, timeout=20)
     chosen, malformed = {a: 0 for a in ANSWERS}, 0
     for choice in reply["choices"]:
         calls = choice["message"].get("tool_calls") or []
@@ -363,7 +365,8 @@ def base_env(**extra: str) -> dict[str, str]:
 def start_vllm(model: Path, log: Path, share: float, seed: int) -> tuple[Service, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", "127.0.0.1", "--port",
-           str(port), "--seed", str(seed), "--dtype", "bfloat16", "--max-model-len", "4096", "--gpu-memory-utilization", str(share),
+           str(port), "--seed", str(seed), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--dtype", "bfloat16",
+           "--max-model-len", "4096", "--gpu-memory-utilization", str(share),
            "--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--logprobs-mode",
            "processed_logprobs", "--return-tokens-as-token-ids", "--weight-transfer-config", '{"backend":"ipc"}']
     env = base_env(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
@@ -464,8 +467,13 @@ def per_step(out: Path, result: dict) -> dict:
     if checkpoints:
         state = json.loads((checkpoints[-1] / "trainer_state.json").read_text())
         history = [e for e in state["log_history"] if "loss" in e]
-    records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines() if line.strip()] \
-        if (out / "rollouts.jsonl").is_file() else []
+    records = []
+    if (out / "rollouts.jsonl").is_file():
+        for line in (out / "rollouts.jsonl").read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line cut short by the stop
+                continue
     steps, start = [], 0
     for entry in history:
         n = int(entry.get("harbor/rollouts_total", 0))
@@ -608,15 +616,15 @@ def card_name() -> tuple[str, str]:
     return f"{name} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)", short
 
 
-def start_one_after_another(servers: dict, model: Path, work: Path, share: float, log, failed: dict) -> None:
-    """Each vLLM once the one before answers: concurrent starts profile each other's allocations."""
+def start_all(servers: dict, model: Path, work: Path, share: float, deadline: float, log, failed: dict) -> None:
+    """Every vLLM at once (each with its own KV cache size, so none profiles another), then each waited for."""
     for name, seed in servers["plan"]:
+        servers[name] = start_vllm(model, work / name / "vllm.log", share, seed)
+    for name, _ in servers["plan"]:
         try:
-            service, url = start_vllm(model, work / name / "vllm.log", share, seed)
-            servers[name] = (service, url)
-            service.wait_ready(timeout=600)
+            servers[name][0].wait_ready(timeout=max(30.0, deadline - time.monotonic()))
             log(f"vLLM for {name} ready")
-        except Exception as exc:  # reported with the run; the others still start
+        except Exception as exc:  # reported with the run; the others still train
             failed[name] = f"{type(exc).__name__}: {exc}"[:2000]
 
 
@@ -627,7 +635,7 @@ def main() -> int:
     parser.add_argument("--seeds", default="1,2", help="RL seeds, one learning run each (the script's --seed and "
                                                        "vLLM's)")
     parser.add_argument("--control-seeds", default=None, help="seeds whose lr-0 control runs beside (default: all)")
-    parser.add_argument("--deadline-s", type=float, default=540.0,
+    parser.add_argument("--deadline-s", type=float, default=480.0,
                         help="seconds from start after which every run is stopped (SIGTERM: a checkpoint is saved)")
     parser.add_argument("--warmup-steps", type=int, default=3000, help="most supervised steps of the warm-up")
     parser.add_argument("--warmup-s", type=float, default=75.0, help="most seconds of the warm-up")
@@ -681,8 +689,8 @@ def main() -> int:
         # any rollout, replaces them with the warmed ones (the same directory, rewritten once vLLM has loaded it).
         for name in variants:
             (work / name).mkdir(parents=True, exist_ok=True)
-        starter = threading.Thread(target=start_one_after_another,
-                                   args=(servers, init, work, args.share, log, failed), daemon=True)
+        starter = threading.Thread(target=start_all, daemon=True,
+                                   args=(servers, init, work, args.share, t0 + args.deadline_s / 2, log, failed))
         starter.start()
     results: dict = {}
     try:
@@ -709,7 +717,7 @@ def main() -> int:
             t.join()
     finally:
         if starter is not None:
-            starter.join(timeout=600)
+            starter.join(timeout=60)
         for name, value in servers.items():
             if name != "plan":
                 value[0].stop()

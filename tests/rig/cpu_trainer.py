@@ -127,7 +127,13 @@ def flash_attn_varlen_func(
         else:
             # An all-False row would give NaN in SDPA: let it attend anywhere, then zero it below.
             mask = allowed | ~has_key[:, None]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+            if q.is_cuda:
+                # CUDA's fused kernels take 4-D inputs only; 3-D falls back to the math path, which keeps every head's
+                # fp32 attention matrix and would overstate a GPU run's memory next to FlashAttention's.
+                o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask[None, None],
+                                                   scale=scale)[0]
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         o = o * has_key[None, :, None].to(o.dtype)
         chunks.append((qa, qb, o.transpose(0, 1)))
     if not chunks:
