@@ -3180,6 +3180,12 @@ class PassRate:
         return finished
 
 
+# How many samples a group's rollouts made, on each of them from the rollout child to FreshestGroupFirst, which takes
+# it off before TRL reads the sample: TRL's queue hands a group over sample by sample, and a reader cannot otherwise
+# tell a whole group from one whose last samples are still on their way.
+GROUP_SAMPLES = "harbor_group_samples"
+
+
 class HarborRolloutLoop(_HarnessRolloutLoop):
     """TRL's loop-owning harness loop (it runs in TRL's rollout child), scoring each group the way this script trains.
 
@@ -3205,6 +3211,8 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         scores = group.rollout_rewards
         group.rollout_rewards = shape_group_rewards(scores, self.efficiency_weight)
         samples = await super()._score_group(group)
+        for sample in samples:
+            sample.metrics[GROUP_SAMPLES] = len(samples)
         if self._stop_event.is_set():  # private: TRL's loop exposes its stop only as _stop_event
             return samples  # cut short by the stop (its unfinished rollouts are empty): no group to count or print
         rewards = [r for r in group.rollout_rewards if r is not None]
@@ -3446,21 +3454,23 @@ class FreshestGroupFirst(ChildQueue):
     finish faster than the trainer steps it trains groups up to --max-staleness versions old, and zero-variance ones
     (advantage 0 everywhere: no gradient) while fresher groups with a signal wait. Each `get` takes every sample that
     has arrived and hands over, in turn: one past --max-staleness (TRL drops and counts it, as in its own order), the
-    rest of the group it is handing over (a group's samples stay together, sharing their prefix in a micro-batch),
-    then the group of the newest policy version with a non-zero advantage, then the newest other; among equals, the
-    first scored. Stale samples are dropped exactly as before; only which fresh group goes first changes. A resume
-    runs again every group no step trained, whatever order they were trained in (`resume_position`)."""
+    rest of the group it is handing over (a group's samples stay together, sharing their prefix in a micro-batch:
+    it waits for those still on their way, which the child put in one go), then the group of the newest policy
+    version with a non-zero advantage, then the newest other; among equals, the first scored. Stale samples are
+    dropped exactly as before; only which fresh group goes first changes. A resume runs again every group no step
+    trained, whatever order they were trained in (`resume_position`)."""
 
     def __init__(self, mp_queue: Any, version: Callable[[], int], max_staleness: int):
         super().__init__(mp_queue)
         self.version, self.max_staleness = version, max_staleness
         self.held: list[Any] = []  # taken from the child's queue and not handed over yet, in the order scored
+        self.missing: dict[int, int] = {}  # group -> how many of its samples have not arrived yet
         self.group: int | None = None  # the group being handed over
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         self.take_arrived()
-        if not self.held:
-            self.held.append(super().get(block, timeout))  # waits as TRL asked; raises queue.Empty as it expects
+        while not self.held or (self.group in self.missing and all(s.group_id != self.group for s in self.held)):
+            self.arrive(super().get(block, timeout))  # waits as TRL asked; raises queue.Empty as it expects
             self.take_arrived()
         now, held = self.version(), range(len(self.held))
         stale = [i for i in held if now - self.held[i].model_version > self.max_staleness]
@@ -3473,10 +3483,19 @@ class FreshestGroupFirst(ChildQueue):
             self.group = self.held[first].group_id
         return self.held.pop(first)  # by index: a sample's numpy fields make == between samples ambiguous
 
+    def arrive(self, sample: Any) -> None:
+        group, size = sample.group_id, sample.metrics.pop(GROUP_SAMPLES, 1)
+        left = self.missing.get(group, size) - 1
+        if left > 0:
+            self.missing[group] = left
+        else:
+            self.missing.pop(group, None)
+        self.held.append(sample)
+
     def take_arrived(self) -> None:
         try:
             while True:
-                self.held.append(super().get(block=False))
+                self.arrive(super().get(block=False))
         except queue.Empty:
             pass
 
