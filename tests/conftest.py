@@ -196,6 +196,21 @@ def load_script():
     return module
 
 
+def trainer_without_rollouts(model: Path, out: Path, worker, **config):
+    """The script's HarborGRPOTrainer on `model`, its rollout worker a stand-in that never starts: a test puts samples
+    on the worker's queue, or builds a batch, and drives TRL's loss and training step itself."""
+    script = load_script()
+    args = script.HarborGRPOConfig(output_dir=str(out), report_to="none", vllm_url="http://127.0.0.1:9", **config)
+    trainer = script.HarborGRPOTrainer(model=str(model), args=args,
+                                       processing_class=script.AutoTokenizer.from_pretrained(model),
+                                       train_dataset=script.Dataset.from_list([{"prompt": "x"}]),
+                                       rollout_worker=worker, weight_transfer=object(),
+                                       accounting=script.RolloutAccounting(str(out)))
+    trainer.current_gradient_accumulation_steps = 1  # what transformers' training loop sets before a step
+    trainer.model.train()
+    return trainer
+
+
 def run_main(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     """`main(args)` in this process, seen as `run_script` sees the script: exit code, stdout, stderr (an uncaught
     exception is a traceback on stderr and code 1, as Python prints it). For what ends before training: no
@@ -241,7 +256,7 @@ def run_main(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProc
 # (`--dist loadfile`) in collection order, so the long ones start at once and the short ones fill in beside them:
 # started last, one long module alone would set the suite's time. A module not listed runs after these.
 LONGEST_FIRST = ["test_preemption.py", "test_held_out_eval.py", "test_failure_modes.py", "test_multi_rank.py",
-                 "test_train_e2e.py", "test_learning.py", "test_check.py", "test_lora.py", "test_refusals.py",
+                 "test_e2b.py", "test_train_e2e.py", "test_learning.py", "test_check.py", "test_lora.py", "test_refusals.py",
                  "test_eval_curate.py", "test_ipc.py", "test_trainer_memory.py", "test_slurm.py"]
 
 

@@ -20,11 +20,10 @@ import math
 import os
 import queue
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import RIG, load_script
+from conftest import RIG, trainer_without_rollouts
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # as the script does: it imports trl.experimental
 sys.path.insert(0, str(RIG))
@@ -48,17 +47,7 @@ class IdleWorker:
 
 @pytest.fixture(scope="module")
 def trainer(tiny_model, tmp_path_factory):
-    script = load_script()
-    out = tmp_path_factory.mktemp("bound")
-    config = script.HarborGRPOConfig(output_dir=str(out), report_to="none", vllm_url="http://127.0.0.1:9")
-    tokenizer = script.AutoTokenizer.from_pretrained(tiny_model)
-    trainer = script.HarborGRPOTrainer(model=str(tiny_model), args=config, processing_class=tokenizer,
-                                       train_dataset=script.Dataset.from_list([{"prompt": "x"}]),
-                                       rollout_worker=IdleWorker(), weight_transfer=object(),
-                                       accounting=script.RolloutAccounting(str(out)))
-    trainer.current_gradient_accumulation_steps = 1  # what transformers' training loop sets before a step
-    trainer.model.train()
-    return trainer
+    return trainer_without_rollouts(tiny_model, tmp_path_factory.mktemp("bound"), IdleWorker())
 
 
 def batch(trainer, old_log_probs: list[float]) -> dict:

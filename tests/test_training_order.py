@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import RIG, load_script
+from conftest import RIG, load_script, trainer_without_rollouts
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # as the script does: it imports trl.experimental
 sys.path.insert(0, str(RIG))
@@ -68,17 +68,9 @@ class IdleWorker:
 
 @pytest.fixture
 def trainer(tiny_model, tmp_path):
-    script = load_script()
-    config = script.HarborGRPOConfig(output_dir=str(tmp_path), report_to="none", vllm_url="http://127.0.0.1:9",
-                                     max_staleness=MAX_STALENESS, token_budget=0, per_device_train_batch_size=GROUP,
-                                     micro_batches_per_step=1, learning_rate=0.0)
-    tokenizer = script.AutoTokenizer.from_pretrained(tiny_model)
-    trainer = script.HarborGRPOTrainer(model=str(tiny_model), args=config, processing_class=tokenizer,
-                                       train_dataset=script.Dataset.from_list([{"prompt": "x"}]),
-                                       rollout_worker=IdleWorker(), weight_transfer=object(),
-                                       accounting=script.RolloutAccounting(str(tmp_path)))
-    trainer.current_gradient_accumulation_steps = 1  # what transformers' training loop sets before a step
-    trainer.model.train()
+    trainer = trainer_without_rollouts(tiny_model, tmp_path, IdleWorker(), max_staleness=MAX_STALENESS,
+                                       token_budget=0, per_device_train_batch_size=GROUP, micro_batches_per_step=1,
+                                       learning_rate=0.0)
     trainer.model_version = VERSION
     return trainer
 
