@@ -1539,6 +1539,13 @@ OUTSIDE_ALLOCATOR = 2**29
 # vLLM's own buffers beyond weights and KV cache (activations, CUDA graphs, sampler): Qwen3-4B at 0.35 of an H200 held
 # 7.5 GiB of weights and 40.5 GiB of KV cache of its 49.1 GiB.
 VLLM_BUFFERS = int(1.1 * 2**30)
+# What torch's caching allocator reserves beyond the bytes it hands out, as a share of the trainer's own parts (the
+# constants above are fitted to peak allocated memory, but running out of memory, and the per-process cap on a shared
+# card, act on reserved memory): freed blocks of one size are cached rather than reused for another, and the merged
+# copies of a CUDA-IPC push take new blocks beside the step's cached ones. Set by the largest gap on record: Qwen3-4B
+# float32 at 32k rows reserved 78.8 GiB over 67.4 projected (+16.8 %); LoRA's gaps are 1-8 % (H200, bench/results),
+# the quick start's 4.9 % (31.48 GiB reserved on one H100, its push included).
+ALLOCATOR_RESERVE = 0.17
 # Past the measured error, so a projection this close to the limit warns instead of passing.
 MEMORY_TOLERANCE = 0.05
 # The tokens a rollout starts with (system prompt + task) when a row is planned as prompt + turns x tokens per turn
@@ -1565,7 +1572,7 @@ def longest_row(args: argparse.Namespace, max_model_len: int | None) -> int | No
 
 def trainer_peak(shape: TrainerShape, row: int, ranks: int = 1, fsdp: bool = False, backend: str | None = None,
                  served_width: int = 2) -> dict[str, int]:
-    """Peak bytes torch's allocator holds on one trainer GPU in an optimizer step over a `row`-token row, by part;
+    """Peak bytes torch's allocator reserves on one trainer GPU in an optimizer step over a `row`-token row, by part;
     on a GPU vLLM shares (`backend` ipc), with what vLLM allocates beside its share while it loads a push of
     `served_width`-byte weights.
 
@@ -1586,8 +1593,9 @@ def trainer_peak(shape: TrainerShape, row: int, ranks: int = 1, fsdp: bool = Fal
              "DDP buckets": grads if ranks > 1 and not fsdp else 0,
              "layer recomputed": row * (recompute + LORA_INPUT * shape.adapted_inputs),
              "push staging": max(min(PUSH_STAGING, 2 * shape.params),
-                                 shape.merged * shape.width if lora and backend == "ipc" else 0),
-             "vLLM's push copies": VLLM_PUSH_COPIES * shape.largest * served_width if backend == "ipc" else 0}
+                                 shape.merged * shape.width if lora and backend == "ipc" else 0)}
+    parts["allocator reserve"] = int(ALLOCATOR_RESERVE * sum(parts.values()))
+    parts["vLLM's push copies"] = VLLM_PUSH_COPIES * shape.largest * served_width if backend == "ipc" else 0
     return {part: n for part, n in parts.items() if n}
 
 
