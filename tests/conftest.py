@@ -108,12 +108,13 @@ class Rig:
     """One stand-in engine plus one Harbor server pointed at it."""
 
     def __init__(self, workdir: Path, model_dir: Path, engine_flags: list[str], max_concurrent_envs: int = 8,
-                 harbor: bool = True, engine_env: dict[str, str] | None = None):
+                 harbor: bool = True, engine_env: dict[str, str] | None = None, seed: int | None = None):
+        """seed: the engine's sampling of the model's choices (POLICY's `seed` unless given)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir, self.model_dir = workdir, model_dir
         self.max_concurrent_envs = max_concurrent_envs
         policy = workdir / "policy.json"
-        policy.write_text(json.dumps(POLICY))
+        policy.write_text(json.dumps(POLICY if seed is None else {**POLICY, "seed": seed}))
         engine_port, harbor_port = free_port(), free_port()
         self.engine_url = f"http://127.0.0.1:{engine_port}"
         self.harbor_url = f"http://127.0.0.1:{harbor_port}"

@@ -18,25 +18,34 @@ system prompt carries the machine's `uname`, which moves a random model's sequen
 
 The model is first warmed to the engine's scripted action (tiny_model.py --warm: a supervised pass, the answers'
 rows averaged after it), so the tokens the engine writes around the choice are ones the model itself would write: the
-rollouts are on-policy, and the run's importance ratio starts at 1 and stays within 7 (measured: max 1 -> 3.4 -> 1.3
--> 6.6 -> 6.8 over steps 2-6, at most 3% of tokens beyond --delta), where the unwarmed model's reached 1e4-1e9.
+rollouts are on-policy, and the run's importance ratio starts at 1 (the unwarmed model's reached 1e4-1e9).
 
-The run is the script's defaults except what a tiny model on two CPU cores needs: a high learning rate, few steps,
-groups of 4, one group per optimizer step (--token-budget 0 --per-device-train-batch-size 4
---micro-batches-per-step 1), and zero-variance groups trained rather than kept out (--max-zero-variance-groups 0):
-once the policy solves the task, a group that fails once becomes rare, and the trainer would wait for it.
+The run is the script's defaults except what a tiny model on two CPU cores needs: a high learning rate, few steps, one
+group of 8 per optimizer step (--token-budget 0 --per-device-train-batch-size 8 --micro-batches-per-step 1), and
+zero-variance groups trained rather than kept out (--max-zero-variance-groups 0): once the policy solves the task, a
+group of 8 that fails once becomes rare, and kept out, the trainer waits for it (measured: 400 rollouts for the last
+step). Groups of 8, not 4: at chance a group of 4 is all wrong a third of the time, and a step that trains one moves
+the weights by AdamW's momentum alone; with groups of 4 at lr 5e-3, whether the probability of `fox` rose (to 0.98)
+or wandered (0.37 -> 0.53 -> 0.43) hung on how many groups finished per step. Groups of 8 carry a signal in all but
+10% of groups at chance and under 1% in between.
 
-Two assertions, each failing on a policy pushed the wrong way or not at all. The model's probability of `fox`, as the
-engine computed it under each weight version it served (noise-free: the candidates' probabilities, not a draw), must
-end above 0.6 and above where it started. And the solve rate: the rollouts folded into the last LAST_STEPS optimizer
-steps (those that finished since the step before), and any that finished after the last one, are n draws; the test
+The verdict cannot hang on rollout timing or on a first group with no signal. The engine samples with seed
+ENGINE_SEED, whose first 8 draws at chance hold no `fox`: in every run the first group is all wrong (a test checks
+it), and the first step, having nothing else, trains it: no gradient, the weights stay (version 2 is still at 1/4).
+Two assertions, each failing on a policy pushed the wrong way or not at all. The model's probability of `fox` under
+the weights of the last push (read from the engine after the run, noise-free: the candidates' probabilities, not a
+draw) must end above RISEN, 0.6, and above where it started. And the solve rate: the rollouts folded into the last
+LAST_STEPS optimizer steps, and any that finished after the last one, are n draws (n varies with timing); the test
 asserts at least k solves, the fewest a policy still at its starting rate of 1/4 reaches with probability < 1e-3
-(`chance_bound`): n = 12 gives k = 9 (75%), at a chance of 3.9e-4. The engine samples with a fixed seed, so the early
-draws repeat from run to run. Measured on the rig, warmed, loaded (a core busy beside it) and not: the same
-probabilities of `fox` 0.25 -> 0.37 -> 0.57 -> 0.63 -> 0.66, and 13/20 and 29/41 solved over the last 3 steps.
+(`chance_bound` of that n: 13 of 21, 21 of 42). Measured in three runs, two with the machine loaded (one of them
+with a core busy beside it): the probability of `fox` per version 0.25 -> 0.25 -> 0.42 -> 0.81 -> 0.88 -> 0.91
+(twice) and 0.25 -> 0.25 -> 0.42 -> 0.70 -> 0.78 -> 0.96; solved over the last 2 steps 17/21 (bound 13), 32/49
+(23), 23/42 (21): the second assertion's margin still shrinks when load folds older rollouts into the window. The
+importance ratio's max per step at most 300, at most 1.4% of tokens beyond --delta. At learning rate 0: 0.25 at
+every version, 6/64.
 
-The control is in the suite too: the same run at --learning-rate 0, CONTROL_STEPS steps, with the default
-zero-variance keep-out. Every weight version it pushes must leave the probability at exactly 1/4: a rise in the
+The control is in the suite too: the same run at --learning-rate 0, CONTROL_STEPS steps of groups of 4, with the
+default zero-variance keep-out. Every weight version it pushes must leave the probability at exactly 1/4: a rise in the
 learning run comes from the updates, nothing else (not the engine's sampling, not the pushes themselves).
 AGH_LEARNING_RATE=0 runs the learning run itself at learning rate 0, which must fail both assertions.
 """
@@ -58,12 +67,14 @@ from conftest import POLICY, RIG, SERVED_NAME, Rig, log_history, post_json, run_
 TASK = "choose"
 ANSWERS = POLICY["choices"][TASK]
 RIGHT = "fox"  # what tests/rig/tasks/choose/tests/test.sh rewards
-LEARNING_RATE = os.environ.get("AGH_LEARNING_RATE", "5e-3")  # "0": the control, which must fail
-STEPS = 6
-LAST_STEPS = 3
+LEARNING_RATE = os.environ.get("AGH_LEARNING_RATE", "7e-3")  # "0": the control, which must fail
+STEPS = 5
+LAST_STEPS = 2
 CONTROL_STEPS = 2
+CONTROL_GROUP = 4  # what it shows (no push moves the probability) needs no larger groups
 RISEN = 0.6  # where the right answer's probability must end: chance is 0.25
-GROUP = 4
+GROUP = 8
+ENGINE_SEED = 4  # random.Random(4)'s first 8 draws among 4 equal candidates: none is the right one
 CHANCE = 1 / len(ANSWERS)
 TAIL = 1e-3
 
@@ -76,11 +87,11 @@ def chance_bound(n: int, p: float = CHANCE, tail: float = TAIL) -> int:
 
 
 def learning_args(rig: Rig, out: Path, lr: str = LEARNING_RATE, steps: int = STEPS,
-                  keep_out: bool = False) -> list[str]:
+                  keep_out: bool = False, group: int = GROUP) -> list[str]:
     """keep_out: zero-variance groups kept out of training, the script's default."""
-    return [*rig.base_args(), "--tasks", TASK, "--num-generations", str(GROUP), "--max-inflight", str(GROUP),
+    return [*rig.base_args(), "--tasks", TASK, "--num-generations", str(group), "--max-inflight", str(group),
             "--learning-rate", lr, "--max-steps", str(steps), "--save-steps", str(steps),
-            "--token-budget", "0", "--per-device-train-batch-size", str(GROUP), "--micro-batches-per-step", "1",
+            "--token-budget", "0", "--per-device-train-batch-size", str(group), "--micro-batches-per-step", "1",
             *([] if keep_out else ["--max-zero-variance-groups", "0"]), "--output-dir", str(out)]
 
 
@@ -142,10 +153,12 @@ def choice_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def learning_run(choice_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("learning")
-    rig = Rig(work / "rig", choice_model, [])
+    rig = Rig(work / "rig", choice_model, [], seed=ENGINE_SEED)
     try:
         proc = run_script(learning_args(rig, work / "out"), cwd=work)
         choices = [c for c in rig.engine_stats()["chat"] if c["choice"]]
+        if proc.returncode == 0:
+            choices.append(choice_under_the_served_weights(rig))
     finally:
         rig.stop()
     return proc, work / "out", choices
@@ -156,7 +169,8 @@ def control_run(choice_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("control")
     rig = Rig(work / "rig", choice_model, [])
     try:
-        proc = run_script(learning_args(rig, work / "out", lr="0", steps=CONTROL_STEPS, keep_out=True), cwd=work)
+        proc = run_script(learning_args(rig, work / "out", lr="0", steps=CONTROL_STEPS, keep_out=True,
+                                         group=CONTROL_GROUP), cwd=work)
         choices = [c for c in rig.engine_stats()["chat"] if c["choice"]]
         if proc.returncode == 0:
             choices.append(choice_under_the_served_weights(rig))
@@ -180,6 +194,7 @@ def test_the_right_answer_grows_likelier(learning_run):
     by_version = right_answer_probability(choices)
     print(f"the model's probability of {RIGHT!r} per weight version:",
           {v: round(p, 3) for v, p in sorted(by_version.items())})
+    # The last version is the last push's, read after the run: what the run's training left, not a draw.
     first, last = by_version[min(by_version)], by_version[max(by_version)]
     assert max(by_version) > min(by_version), "every choice was made under one weight version: no push landed"
     assert last > RISEN and last > first, (f"the probability of {RIGHT!r} went {first:.3f} -> {last:.3f} (weight "
@@ -204,6 +219,15 @@ def test_at_learning_rate_0_no_push_moves_the_right_answers_probability(control_
     assert re.search(r"zero-variance groups\s+kept out", proc.stdout), "the hyper-parameter table's row"
 
 
+def test_the_first_group_had_no_signal(learning_run):
+    """The condition the verdict must survive held: the first group was all wrong (no gradient)."""
+    proc, out, _ = learning_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines() if line.strip()]
+    first = [r for r in records if r["group"] == min(r["group"] for r in records)]
+    assert len(first) == GROUP and solved(first) == 0, [r["reward"] for r in first]
+
+
 def test_solve_rate_rises_well_beyond_chance(learning_run):
     proc, out, choices = learning_run
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -213,8 +237,8 @@ def test_solve_rate_rises_well_beyond_chance(learning_run):
           f"{len(after)}")
     last = [r for s in steps[-LAST_STEPS:] for r in s] + after
     assert all(r["error"] is None for r in last), [r["failure"] for r in last if r["error"]]
-    # n >= 12 draws, so the bound means "well beyond chance": at least 9 of 12 (75%), 11 of 16, 12 of 20.
-    assert len(last) >= LAST_STEPS * GROUP
+    # n varies with timing; the bound is computed for it: at least 12 of 19 (63%), 14 of 24, 16 of 30.
+    assert len(last) >= GROUP
     k = chance_bound(len(last))
     assert solved(last) >= k, (f"{solved(last)}/{len(last)} solved in the last {LAST_STEPS} steps; a policy still at "
                                f"chance ({CHANCE}) reaches {k} with probability < {TAIL}")
