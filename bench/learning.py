@@ -10,8 +10,8 @@ run's rollouts.jsonl (the rollouts that finished since the previous step, as the
 counts them), the model's probability of the right answer per weight version from the engine's record of its
 choices, and per step what says how far one update moved the policy, from the checkpoint's log history: TRL's
 importance ratio mean (`ratio`), the share of trained tokens clipped (`clip_ratio/region_mean`), its KL estimate
-(`kl`), transformers' `grad_norm` (before clipping), and the ratio's extremes (`bench/ratio_max`, `bench/ratio_min`,
-which bench/ratio_main.py adds to TRL's loss). Each run also evaluates `choose` before its first step and after its
+(`kl`), transformers' `grad_norm` (before clipping), and the ratio's extremes before the script's dual clip
+(`harbor/ratio_max`, `harbor/ratio_min`, which the script logs). Each run also evaluates `choose` before its first step and after its
 last (--eval-tasks, 4 rollouts each time), and the picture shows eval.csv's pass rates.
 
     bash bench/run.sh learning [--steps 6] [--lr 5e-3] [--gentle-lr 2e-4] [--gentle-steps 12] \
@@ -42,14 +42,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import Rig, log_history, script_env  # noqa: E402
-from test_learning import (ANSWERS, LAST_STEPS, LEARNING_RATE, RIGHT, STEPS, build_choice_model,  # noqa: E402
+from test_learning import (ANSWERS, LEARNING_RATE, RIGHT, STEPS, build_choice_model,  # noqa: E402
                            chance_bound, learning_args, right_answer_probability,
                            solve_rates_per_step, solved)
 
-RATIO_MAIN = ROOT / "bench" / "ratio_main.py"
+SCRIPT = ROOT / "async_grpo_harbor.py"
+LAST_STEPS = 2  # the window the report's last solve rate is taken over
 # What each optimizer step logs about how far its update moved the policy: TRL's names, transformers' grad_norm, and
-# the ratio's extremes that bench/ratio_main.py logs.
-STEP_METRICS = ("ratio", "bench/ratio_min", "bench/ratio_max", "clip_ratio/region_mean", "kl", "grad_norm")
+# the ratio's extremes that the script logs.
+STEP_METRICS = ("ratio", "harbor/ratio_min", "harbor/ratio_max", "clip_ratio/region_mean", "kl", "grad_norm")
 RATIO_BAND = (0.5, 2.0)
 
 
@@ -59,7 +60,7 @@ def one_run(name: str, model: Path, work: Path, lr: str, steps: int, flags: list
     try:
         out = work / name / "out"
         argv = learning_args(rig, out, lr=lr, steps=steps) + flags
-        proc = subprocess.run([sys.executable, str(RATIO_MAIN), *argv], cwd=work / name, env=script_env(), text=True,
+        proc = subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=work / name, env=script_env(), text=True,
                               capture_output=True, timeout=7200)
         choices = [c for c in rig.engine_stats()["chat"] if c["choice"]]
     finally:
@@ -85,8 +86,8 @@ def one_run(name: str, model: Path, work: Path, lr: str, steps: int, flags: list
 
 
 def ratio_range(run: dict) -> tuple[float | None, float | None]:
-    lows = [s["bench/ratio_min"] for s in run["steps"] if s.get("bench/ratio_min") is not None]
-    highs = [s["bench/ratio_max"] for s in run["steps"] if s.get("bench/ratio_max") is not None]
+    lows = [s["harbor/ratio_min"] for s in run["steps"] if s.get("harbor/ratio_min") is not None]
+    highs = [s["harbor/ratio_max"] for s in run["steps"] if s.get("harbor/ratio_max") is not None]
     return (min(lows) if lows else None), (max(highs) if highs else None)
 
 
@@ -123,10 +124,10 @@ def plot(results: dict, path: Path) -> None:
             means = [sum(e["pass_rate"] or 0 for e in r["eval"] if e["step"] == s)
                      / len([e for e in r["eval"] if e["step"] == s]) for s in steps]
             ax.plot(steps, means, "^", color=color, alpha=0.6, label=f"{name}: held-out pass rate (eval.csv)")
-        timed = [s for s in r["steps"] if s.get("bench/ratio_max") is not None]
+        timed = [s for s in r["steps"] if s.get("harbor/ratio_max") is not None]
         if timed:
-            ratio_ax.fill_between([s["step"] for s in timed], [s["bench/ratio_min"] for s in timed],
-                                  [s["bench/ratio_max"] for s in timed], color=color, alpha=0.2)
+            ratio_ax.fill_between([s["step"] for s in timed], [s["harbor/ratio_min"] for s in timed],
+                                  [s["harbor/ratio_max"] for s in timed], color=color, alpha=0.2)
             ratio_ax.plot([s["step"] for s in timed], [s["ratio"] for s in timed], style, color=color, ms=4,
                           label=f"{name}: importance ratio, mean (line) and range (band)")
     ax.axhline(1 / len(ANSWERS), color="grey", lw=0.8, ls=":", label="chance (1/4)")
