@@ -41,7 +41,8 @@ machine's load makes them); the test asserts at least k solves, the fewest a pol
 reaches with probability < 1e-3 (`chance_bound(32)`: 17; a policy at 0.8 misses it with probability 1.4e-4). Measured in
 three runs, two with the machine loaded (one of them with a core busy beside it): the probability of `fox` per version
 0.25 -> 0.25 -> 0.42 -> 0.81 -> 0.88 -> 0.91 (twice) and 0.25 -> 0.25 -> 0.42 -> 0.70 -> 0.78 -> 0.96. The importance
-ratio's max per step at most 300, at most 1.4% of tokens beyond --delta. At learning rate 0: 0.25 at every version, 6/32.
+ratio's max per step at most 300, at most 1.4% of tokens beyond --delta. At learning rate 0: 0.25 at every version,
+6/32.
 
 The control is in the suite too: the same run at --learning-rate 0, CONTROL_STEPS steps of groups of 4, with the
 default zero-variance keep-out. Every weight version it pushes must leave the probability at exactly 1/4: a rise in the
