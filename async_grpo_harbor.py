@@ -963,6 +963,8 @@ class HarborSession(ResourceSession):
         while True:
             try:
                 f.reach_capture()
+                if session.closed:  # stopped while the tunnel answered (up to its 30 s timeout)
+                    return 1
                 session.open()
                 f.server_answered()
                 self.retries += lost
@@ -1045,6 +1047,9 @@ class HarborSession(ResourceSession):
 # Sandboxes that build a task's template on its first use, where rollouts starting together race the build (see
 # SHARED_TEMPLATE_NAME): a factory's first rollout starts alone, the others once it has ended, its template built.
 TEMPLATE_BUILDING_SANDBOXES = {"e2b"}
+# The sandboxes whose first rollout has ended in this process: a later factory here (each held-out eval's) finds the
+# template built and starts its rollouts together.
+TEMPLATES_BUILT: set[str] = set()
 
 
 class HarborSessionFactory(ResourceSessionFactory):
@@ -1064,7 +1069,7 @@ class HarborSessionFactory(ResourceSessionFactory):
         self.capture_url = capture_url
         self._pioneer: HarborSession | None = None  # the first rollout, alone where the sandbox builds templates
         self._pioneer_ended = threading.Event()
-        if sandbox not in TEMPLATE_BUILDING_SANDBOXES:
+        if sandbox not in TEMPLATE_BUILDING_SANDBOXES or sandbox in TEMPLATES_BUILT:
             self._pioneer_ended.set()
         self.agent_step_limit, self.agent_timeout_s = agent_step_limit, agent_timeout_s
         self.request_timeout_s, self.retry_window_s = rollout_budget_s(agent_timeout_s), retry_window_s
@@ -1150,6 +1155,7 @@ class HarborSessionFactory(ResourceSessionFactory):
 
     def pioneer_done(self, session: HarborSession) -> None:
         if session is self._pioneer:
+            TEMPLATES_BUILT.add(self.sandbox)
             self._pioneer_ended.set()
 
     def reach_capture(self) -> None:
@@ -1179,7 +1185,8 @@ class HarborSessionFactory(ResourceSessionFactory):
             since, waiting = self._outage_since, len(self.live_sessions)
         if first and isinstance(exc, CaptureLost):
             self._say(f"[harbor] the capture proxy is not answering at {exc.url}, the URL every sandbox is given "
-                      f"({exc}): its tunnel or the proxy died; no rollout starts until it answers, for at most "
+                      f"({exc}): its tunnel or the proxy is down or too slow; no rollout starts until it answers, "
+                      f"for at most "
                       f"{self.retry_window_s:g}s (--harbor-retry-window)")
         elif first:
             self._say(f"[harbor] the Harbor server at {self.harbor_url} is not answering ({exc}) with {waiting} "
