@@ -983,15 +983,13 @@ class HarborSession(ResourceSession):
                     return 1
                 lost = not isinstance(exc, CaptureLost)  # that one never started: nothing to start again
                 left = f.server_lost(exc)
-                if left <= 0 and isinstance(exc, CaptureLost):
-                    self.failure = Failure(SERVER_GONE, f"the capture proxy has not answered at {exc.url}, the URL "
-                                                        f"every sandbox is given, for {f.retry_window_s:g}s (last: "
-                                                        f"{exc}): its tunnel or the proxy died, and openenv cannot "
-                                                        "reopen either; a relaunch starts a new server and tunnel")
-                    return 1
                 if left <= 0:
-                    self.failure = Failure(SERVER_GONE, f"the Harbor server at {f.harbor_url} has not answered for "
-                                                        f"{f.retry_window_s:g}s (last: {exc})")
+                    self.failure = Failure(SERVER_GONE, (
+                        f"the capture proxy has not answered at {exc.url}, the URL every sandbox is given, for "
+                        f"{f.retry_window_s:g}s (last: {exc}): its tunnel or the proxy died, and openenv cannot reopen "
+                        "either; a relaunch starts a new server and tunnel") if isinstance(exc, CaptureLost) else (
+                        f"the Harbor server at {f.harbor_url} has not answered for {f.retry_window_s:g}s (last: "
+                        f"{exc})"))
                     return 1
                 wait = min(backoff, left)
             except ServerFull as exc:
@@ -2173,13 +2171,18 @@ def check_checkpoints(pf: Preflight) -> None:
            "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
 
 
+def nvidia_smi(*query: str) -> str | None:
+    """What `nvidia-smi QUERY` prints; None when no nvidia-smi answers."""
+    try:
+        return subprocess.run(["nvidia-smi", *query], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
     """GPU uuid -> [(pid, command line, GiB)] of the compute processes nvidia-smi lists; None when it cannot."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory,process_name",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
-                             check=True).stdout
-    except (OSError, subprocess.SubprocessError):
+    out = nvidia_smi("--query-compute-apps=gpu_uuid,pid,used_memory,process_name", "--format=csv,noheader,nounits")
+    if out is None:
         return None
     apps: dict[str, list[tuple[int, str, float]]] = {}
     for line in out.splitlines():
@@ -2215,11 +2218,7 @@ CUDA_DRIVER_FLOOR = {13: 580, 12: 525, 11: 450}
 
 def nvidia_driver() -> str | None:
     """The NVIDIA driver's version as nvidia-smi reports it (e.g. 580.65.06); None when no nvidia-smi answers."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
+    out = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader") or ""
     return next((line.strip() for line in out.splitlines() if line.strip()), None)
 
 
@@ -2761,6 +2760,8 @@ def check_eval_tasks(pf: Preflight) -> None:
         pf.add("eval tasks", FAIL, str(exc).replace("--tasks", "--eval-tasks", 1))
 
 
+# e2b answers a lifetime beyond the plan's with a plain SandboxException (400), told apart by its text alone.
+E2B_LIFETIME_REFUSED = "Timeout cannot be greater than"
 # A sandbox provider's plan refusing Harbor's sandboxes, as a rollout's result holds it: Harbor records the e2b SDK's
 # exception type (e2b/api/__init__.py maps the API's HTTP status to it) and message as exception_type and error.
 PLAN_REFUSALS = {
@@ -2773,8 +2774,7 @@ PLAN_REFUSALS = {
     "SandboxNotRunningException": ("ended the sandbox mid-rollout (killed, or its lifetime ran out)",
                                    "lower --agent-timeout: with setup and verification it must fit the plan's sandbox "
                                    "lifetime"),
-    # e2b answers a lifetime beyond the plan's with a plain SandboxException (400), told apart by its text alone.
-    "Timeout cannot be greater than": (
+    E2B_LIFETIME_REFUSED: (
         "refused the sandbox's lifetime (400): Harbor asks 24 h for every e2b sandbox (harbor 0.25's E2BEnvironment; "
         "openenv 0.10 passes no shorter one), beyond the plan's cap", "a plan whose sandboxes may live 24 h (e2b Pro; "
                                                                       "Hobby caps them at 1 h)"),
@@ -2783,9 +2783,8 @@ PLAN_REFUSALS = {
 
 def plan_refusal(r: HarborRolloutResult) -> tuple[str, str] | None:
     """(what the provider refused, the fix) when a rollout's sandbox was refused by the plan or quota, else None."""
-    lifetime = "Timeout cannot be greater than"
-    return PLAN_REFUSALS.get(lifetime if r.exception_type == "SandboxException" and lifetime in (r.error or "")
-                             else r.exception_type or "")
+    lifetime = r.exception_type == "SandboxException" and E2B_LIFETIME_REFUSED in (r.error or "")
+    return PLAN_REFUSALS.get(E2B_LIFETIME_REFUSED if lifetime else r.exception_type or "")
 
 
 def check_probe_rollout(pf: Preflight) -> None:
