@@ -167,11 +167,8 @@ LORA_LEARNING_RATE = 1e-5
 
 
 # --- Arguments --------------------------------------------------------------------------------------------------------
-# One TrlParser over ScriptArguments (this script's flags), HarborGRPOConfig (AsyncGRPOConfig with this script's
-# defaults and help) and LoraArguments: --help, --config recipes and every TRL field come from these declarations. A
-# new flag is one field in one of them and one name in HELP_GROUPS; another TRL dataclass joins the parser's tuple (a
-# name two of them declare must be init=False in one of them, or argparse refuses the second --name). Each help is a
-# sentence or two; figures and the longer story are in docs/flags.md, under the flag's name.
+# TRL's TrlParser over ScriptArguments (this script's flags), HarborGRPOConfig (AsyncGRPOConfig with this script's
+# defaults) and LoraArguments: --help, --config recipes and every TRL field as a flag come from their fields.
 def arg(default: Any, help: str, shown: str | None = None, **argparse_kwargs: Any) -> Any:
     """A field as TrlParser reads it. shown: what a default that names nothing ("", None) means, for --help."""
     if shown is not None:
@@ -180,139 +177,82 @@ def arg(default: Any, help: str, shown: str | None = None, **argparse_kwargs: An
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
-HARBOR_SERVE = "this interpreter's `-m openenv.cli harbor serve`"  # --harbor-command's default, as --help says it
-
-
 @dataclass
 class ScriptArguments:
-    model: str = arg("Qwen/Qwen3-4B-Instruct-2507",
-                     "Model to train (hub id or local dir): the one vLLM serves, whose weights it replaces after "
-                     "every optimizer step.")
-    harbor_url: str = arg("", "Base URL of a running `openenv harbor serve` to use (docs/flags.md).",
+    model: str = arg("Qwen/Qwen3-4B-Instruct-2507", "Model to train (hub id or local dir): the one vLLM serves.")
+    harbor_url: str = arg("", "Base URL of a running `openenv harbor serve` (docs/harbor-server.md).",
                           shown="none: this script starts its own on 127.0.0.1 and stops it when it exits")
-    harbor_retry_window: float = arg(
-        300.0, "Seconds the Harbor server may stay unreachable (a restart) before the run stops; rollouts it lost "
-               "start again (docs/flags.md).")
-    harbor_command: str = arg("", "Without --harbor-url: the command that runs `openenv harbor serve`, its options "
-                                  "appended (docs/flags.md).", shown=HARBOR_SERVE)
-    harbor_expose: str = arg(
-        "auto", "Without --harbor-url: how the harness reaches the capture proxy; auto picks by harness and sandbox "
-                "and the preflight says why (docs/flags.md).", choices=["auto", "direct", "cloudflare", "gradio"])
-    dataset: str = arg(DEFAULT_DATASET, "Harbor dataset spec the server serves (HF repo, dir or name@version); it "
-                                        "selects the server split (docs/flags.md).")
+    harbor_retry_window: float = arg(300.0, "Seconds the Harbor server may stay unreachable before the run stops.")
+    harbor_command: str = arg(shlex.join([sys.executable, "-m", "openenv.cli", "harbor", "serve"]), "Without "
+                              "--harbor-url: the command that runs `openenv harbor serve` (docs/flags.md).",
+                              shown="this interpreter's `-m openenv.cli harbor serve`")
+    harbor_expose: str = arg("auto", "Without --harbor-url: how the harness reaches the capture proxy "
+                                     "(docs/flags.md).", choices=["auto", "direct", "cloudflare", "gradio"])
+    dataset: str = arg(DEFAULT_DATASET, "Harbor dataset: HF repo, dir or name@version (docs/flags.md).")
     split: str = arg("", "Server split name, when it differs from --dataset.",
                      shown="the split named like --dataset; for the default dataset, the server's only split")
-    tasks: str = arg("", "Tasks to train on, in this order: indices, ranges and task names (`0-49,57,hello-world`), "
-                         "or `@file`, one per line (docs/flags.md).",
+    tasks: str = arg(DEFAULT_TASKS, "Tasks to train on, cycled in this order: indices, ranges and names "
+                                    "(`0-49,57,hello-world`), or `@file`, one per line.",
                      shown="the tasks.txt beside this script, for the default dataset")
-    harness: str = arg("mini-swe-agent", "Agent harness the server runs in the sandbox; it owns its own loop.")
-    sandbox: str = arg("e2b", "Harbor environment type the server starts per rollout; its credentials must be set on "
-                              "the server (E2B_API_KEY for e2b).")
-    reward_key: str = arg("", "For tasks that emit several rewards: the key to train on, or a comma-separated "
-                              "preference list.", shown="the task's `reward`")
-    agent_step_limit: int = arg(
-        30, "Model calls per rollout (capped at the proxy): a memory guard, as a rollout's row grows by every turn "
-            "(docs/flags.md).")
-    efficiency_weight: float = arg(
-        0.1, "Bonus in [0, 1) for solving with fewer agent turns, never above one correctness step; 0 disables it "
-             "(docs/flags.md).")
-    max_zero_variance_groups: int = arg(
-        100, "Groups in a row whose rewards are all equal (kept out of training) before training stops; 0: train on "
-             "them and never stop (docs/flags.md).")
-    max_consecutive_failures: int = arg(
-        32, "Unscorable rollouts in a row (sandbox down, bad credentials, agent crash) before training stops, instead "
-            "of waiting forever for samples.")
-    resume: str | None = arg(
-        None, "Resume trainer state and task position: bare, from the output dir's latest checkpoint; `auto`, that "
-              "or a fresh start; or a checkpoint path (docs/flags.md).", shown="a fresh start",
-        nargs="?", const="latest")
-    check: bool = arg(False, "Run the preflight checks (vLLM, Harbor server, sandbox, tasks, run dir), print their "
-                             "table and exit, 0 when nothing FAILs; every training run runs them first.")
-    probe_rollout: bool = arg(False, "With --check: one rollout of the first task, end to end (sandbox, harness, "
-                                     "capture URL, reward key).")
-    eval_only: bool = arg(
-        False, "Measure instead of training: --eval-k rollouts per task (and harness) at --temperature, written to "
-               "pass_rates.csv in the output dir (docs/flags.md).")
-    eval_k: int = arg(8, "Rollouts per task for --eval-only and --eval-tasks; the pass rate's standard error is "
-                         "sqrt(p(1-p)/k).")
-    eval_tasks: str = arg(
-        "", "Held-out tasks (--tasks syntax) measured before the first optimizer step, every --eval-steps and after "
-            "the last: eval.csv, eval/* (docs/flags.md).", shown="none")
-    allow_engine_mismatch: bool = arg(
-        False, "Train although the Harbor server names another engine URL than --vllm-url (the same vLLM under "
-               "another name); otherwise the preflight FAILs.")
-    curate: str | None = arg(
-        None, "Write a --tasks file of the tasks whose pass rate in PASS_RATES_CSV lies inside --band; bare, measure "
-              "first as --eval-only does (docs/flags.md).", shown="off",
-        nargs="?", const="", metavar="PASS_RATES_CSV")
-    band: str = arg("0.1,0.9", "LOW,HIGH: the pass rates --curate keeps, inclusive; outside them groups score alike "
-                               "and teach nothing.")
+    harness: str = arg("mini-swe-agent", "Agent harness the server runs in the sandbox; `a,b` rotates them per group.")
+    sandbox: str = arg("e2b", "Harbor environment per rollout; its credentials (E2B_API_KEY) set on the server.")
+    reward_key: str = arg("", "The reward key to train on, or a comma-separated preference list.",
+                          shown="the task's `reward`")
+    agent_step_limit: int = arg(30, "Model calls per rollout: a memory guard; 30 turns of ~1k tokens fill 32k.")
+    efficiency_weight: float = arg(0.1, "Bonus in [0, 1) for fewer agent turns; 0 disables it (docs/reward.md).")
+    max_zero_variance_groups: int = arg(100, "All-equal groups in a row (kept out) that stop training; 0: never.")
+    max_consecutive_failures: int = arg(32, "Unscorable rollouts in a row (sandbox, credentials) that stop training.")
+    resume: str | None = arg(None, "Resume: bare, the output dir's latest checkpoint; `auto`, that or a fresh start; "
+                                   "or a checkpoint path.", shown="a fresh start", nargs="?", const="latest")
+    check: bool = arg(False, "Print the preflight table and exit, 0 when nothing FAILs (training runs it first).")
+    probe_rollout: bool = arg(False, "With --check: one rollout of the first task, end to end.")
+    eval_only: bool = arg(False, "Measure pass rates instead of training: pass_rates.csv (docs/measure.md).")
+    eval_k: int = arg(8, "Rollouts per task for --eval-only and --eval-tasks.")
+    eval_tasks: str = arg("", "Held-out tasks (--tasks syntax) measured before training, every --eval-steps and "
+                              "after the last step (docs/measure.md).", shown="none")
+    allow_engine_mismatch: bool = arg(False, "Train although the Harbor server names another engine than --vllm-url.")
+    curate: str | None = arg(None, "Write a --tasks file of the tasks inside --band in PASS_RATES_CSV; bare: measure "
+                                   "first.", shown="off", nargs="?", const="", metavar="PASS_RATES_CSV")
+    band: str = arg("0.1,0.9", "LOW,HIGH: the pass rates --curate keeps, inclusive.")
     curated_tasks: str = arg("", "Where --curate writes the task file.", shown="<output dir>/curated_tasks.txt")
-    help_all: bool = arg(False, "Print this help and every other AsyncGRPOConfig field (TRL's and transformers' "
-                                "TrainingArguments), each a flag and a recipe key too.")
 
 
 @dataclass
 class HarborGRPOConfig(AsyncGRPOConfig):
-    """AsyncGRPOConfig with this script's defaults and help, the flags its own fields derive from, and those fields
-    (init=False: not flags; `--name` names where they come from)."""
-
-    # The title of the other AsyncGRPOConfig fields under --help-all; this class's own flags go to HELP_GROUPS'.
-    # private: HfArgumentParser's documented hook for a dataclass's group title
-    _argument_group_name = "every other AsyncGRPOConfig field (TRL's, and transformers' TrainingArguments)"
-    vllm_url: str = arg("http://localhost:8000",
-                        "Base URL of `vllm serve` (no /v1), where the trainer pushes weights over the backend of "
-                        "vLLM's --weight-transfer-config, nccl or ipc (docs/flags.md).")
-    dtype: str = arg(
-        "float32", "The trainer's weights and AdamW state: float32 lets every update land; bfloat16 and float16 save "
-                   "memory but round an update of the default learning rate to nothing (docs/flags.md).",
-        choices=["float32", "bfloat16", "float16", "auto"])
-    agent_timeout: float = arg(600.0, "Seconds the agent may run per rollout; 0 uses the task's own timeout.")
-    num_generations: int = arg(
-        8, "Rollouts per task per group (>= 2); advantages compare rollouts of the same task.")
-    micro_batches_per_step: int = arg(
-        4, "Micro-batches per optimizer step, each packed with rollouts up to vLLM's max_model_len tokens "
-           "(docs/flags.md).")
-    max_inflight: int = arg(16, "Rollouts (and sandboxes) running at once; size the Harbor server's "
-                                "MAX_CONCURRENT_ENVS to at least twice this.")
-    max_staleness: int = arg(4, "Optimizer steps a rollout may lag the current policy before it is dropped; never "
-                                "below 1 in practice, as accelerate prefetches one batch.")
-    delta: float = arg(
-        3.0, "Dual clip: a trained token whose importance ratio (trainer / engine probability) exceeds this adds no "
-             "gradient and at most delta x |advantage| to the loss, TRL GRPOConfig's `delta`; 0: off, TRL "
-             "AsyncGRPO's one-sided clip (docs/flags.md).")
-    temperature: float = arg(
-        1.0, "Sampling temperature the proxy enforces on every agent call and the trainer scores at (> 0).")
-    max_completion_length: int = arg(
-        1024, "Tokens per model call (an agent turn); the Harbor server this script starts caps every turn there "
-              "(docs/flags.md).")
-    learning_rate: float = arg(1e-6, "AdamW learning rate, constant: rollouts per step vary with their length, so a "
-                                     "decay horizon in steps means little. With --use-peft the default is "
-                                     f"{LORA_LEARNING_RATE:g}: LoRA needs about ten times a full fine-tune's "
+    vllm_url: str = arg("http://localhost:8000", "Base URL of `vllm serve` (no /v1), where weights are pushed.")
+    dtype: str = arg("float32", "The trainer's weights and AdamW state; bfloat16 saves memory but rounds small "
+                                "updates away (docs/flags.md).", choices=["float32", "bfloat16", "float16", "auto"])
+    agent_timeout: float = arg(600.0, "Seconds the agent may run per rollout; 0: the task's own timeout.")
+    num_generations: int = arg(8, "Rollouts per task per group (>= 2); advantages compare them.")
+    micro_batches_per_step: int = arg(4, "Micro-batches per optimizer step, each packed up to vLLM's max_model_len.")
+    max_inflight: int = arg(16, "Rollouts (sandboxes) running at once; the server needs twice this many sessions.")
+    max_staleness: int = arg(4, "Optimizer steps a rollout may lag the policy before it is dropped.")
+    delta: float = arg(3.0, "Dual clip: a token whose importance ratio exceeds it adds no gradient (docs/flags.md).")
+    temperature: float = arg(1.0, "Sampling temperature the proxy enforces on every agent call (> 0).")
+    max_completion_length: int = arg(1024, "Tokens per agent turn, capped by the server (docs/harbor-server.md).")
+    learning_rate: float = arg(1e-6, f"AdamW learning rate, constant; {LORA_LEARNING_RATE:g} with --use-peft "
                                      "(docs/flags.md).")
-    max_steps: int = arg(500, "Optimizer steps to train; the run's only stop condition (tasks are cycled).")
-    eval_steps: float | None = arg(50, "Optimizer steps between held-out evals (--eval-tasks); below 1: that fraction "
-                                       "of --max-steps; 0: only before training and after the last step.")
+    max_steps: int = arg(500, "Optimizer steps to train; the run's only stop condition.")
+    eval_steps: float | None = arg(50, "Steps between held-out evals; below 1: that fraction of --max-steps; 0: "
+                                       "before training and after the last step only.")
     output_dir: str = arg("", "Checkpoints and logs.", shown="runs/<run name>")
-    run_name: str = arg("", "The run's name in the tracker and its output dir's; relaunches never write over each "
-                            "other (docs/flags.md).",
+    run_name: str = arg("", "The run's name in the tracker and its output dir's.",
                         shown="the --output-dir's name, else <model>-<harness>-<sandbox>-<SLURM job id or UTC time>")
     project: str = arg("async-grpo-harbor", "trackio project, so runs on one suite compare side by side.")
-    report_to: str = arg("trackio", "Where metrics go: trackio (local, no account needed), none, or any HF integration.")
+    report_to: str = arg("trackio", "Where metrics go: trackio (local, no account), none, or any HF integration.")
     save_steps: int = arg(50, "Optimizer steps between checkpoints: what a crash or preemption can lose.")
-    save_total_limit: int | None = arg(
-        2, "Checkpoints kept in the output dir, the oldest deleted once a newer one is complete; 0 keeps all "
-           "(docs/flags.md).")
-    # Set in __post_init__, from what the help says.
+    save_total_limit: int | None = arg(2, "Checkpoints kept, the oldest deleted after a newer one; 0 keeps all.")
+    # Set in __post_init__ (or TRL's default kept), as their help says; naming one is refused with it.
     gradient_accumulation_steps: int = field(default=1, init=False, metadata={"help": "from --micro-batches-per-step"})
     max_inflight_tasks: int = field(default=1, init=False, metadata={"help": "from --max-inflight"})
     vllm_server_base_url: str = field(default="", init=False, metadata={"help": "from --vllm-url"})
     request_timeout: int = field(default=0, init=False, metadata={"help": "from --agent-timeout (+ 30 min)"})
-    ddp_timeout: int = field(default=0, init=False,
-                             metadata={"help": "from --num-generations x (--agent-timeout + 30 min)"})
+    ddp_timeout: int = field(default=0, init=False, metadata={"help": "from --num-generations x --agent-timeout"})
     save_strategy: str = field(default="steps", init=False, metadata={"help": "from --save-steps"})
-    logging_steps: float = field(default=1, init=False, metadata={"help": "for the per-step rollout accounting"})
+    logging_steps: float = field(default=1, init=False, metadata={"help": "to 1: a line per step"})
     resume_from_checkpoint: str | None = field(default=None, init=False, metadata={"help": "from --resume"})
+    eval_strategy: str = field(default="no", init=False, metadata={"help": "to no: AsyncGRPOTrainer takes no eval "
+                               "dataset; measure held-out tasks with --eval-tasks SPEC --eval-steps N --eval-k K"})
     # bf16 autocast exists only on GPUs; elsewhere it would score at another precision than the engine. Without CUDA,
     # ranks join over gloo; accelerate only runs several processes on CPU when told.
     bf16: bool | None = field(default=None, init=False, metadata={"help": "from the hardware (bf16 autocast on GPUs)"})
@@ -329,9 +269,8 @@ class HarborGRPOConfig(AsyncGRPOConfig):
         self.gradient_accumulation_steps, self.max_inflight_tasks = self.micro_batches_per_step, self.max_inflight
         self.vllm_server_base_url, self.bf16, self.use_cpu = self.vllm_url, cuda, not cuda
         self.request_timeout = int(rollout_budget_s(self.agent_timeout))
-        # Ranks >= 1 wait in a collective while rank 0 collects a whole group, whose rollouts may run one after another
-        # (NCCL's default is 10 min). TrainingArguments' device set-up creates the process group with ddp_timeout on
-        # GPUs only (CPU ranks get 30 min): accelerate's state creates it first, with it, on both.
+        # Ranks >= 1 wait in a collective while rank 0 collects a whole group (NCCL's default is 10 min). transformers
+        # sets ddp_timeout on GPUs only (CPU ranks get 30 min): accelerate's state sets it first, on both.
         self.ddp_timeout = int(self.num_generations * rollout_budget_s(self.agent_timeout))
         PartialState(cpu=not cuda, timeout=timedelta(seconds=self.ddp_timeout))
         self.save_total_limit = self.save_total_limit or None  # the script's 0 (keep all) is TRL's None
@@ -339,22 +278,15 @@ class HarborGRPOConfig(AsyncGRPOConfig):
 
 
 @dataclass
-class LoraArguments:
-    """TRL's ModelConfig LoRA fields, by its names, defaults and help (get_peft_config reads them: peft_config). Not
-    ModelConfig itself: it also declares --dtype (the config's) and quantisation and DoRA, which this script does
-    not train."""
-
-    use_peft: bool = arg(
-        False, "Whether to use PEFT for training: LoRA adapters on a frozen base, pushed merged, so serve vLLM "
-               "without --enable-lora (docs/flags.md).")
+class LoraArguments:  # TRL's ModelConfig LoRA fields (ModelConfig's --dtype would clash with the config's)
+    use_peft: bool = arg(False, "LoRA adapters on a frozen base, pushed merged: serve vLLM without --enable-lora "
+                                "(docs/flags.md).")
     lora_r: int = arg(16, "LoRA R value.")
     lora_alpha: int = arg(32, "LoRA alpha.")
     lora_dropout: float = arg(0.05, "LoRA dropout.")
-    lora_target_modules: list[str] | None = arg(
-        None, "LoRA target modules; all-linear: every linear layer but the head.",
-        shown="PEFT's for the architecture (q_proj v_proj for Qwen3)", nargs="+")
-    use_rslora: bool = arg(False, "Whether to use Rank-Stabilized LoRA, which scales the adapter by "
-                                  "`lora_alpha/√r` instead of `lora_alpha/r`.")
+    lora_target_modules: list[str] | None = arg(None, "LoRA target modules; all-linear: every linear layer but the "
+                                                      "head.", shown="PEFT's for the architecture", nargs="+")
+    use_rslora: bool = arg(False, "Rank-Stabilized LoRA: scale the adapter by lora_alpha/√r, not lora_alpha/r.")
 
 
 class UsageError(Exception):
@@ -362,14 +294,12 @@ class UsageError(Exception):
 
 
 class TrainingStopped(ValueError):
-    """A stop this script decides, its reason written for the user as one line (`error: training stopped: ...`,
-    exit 1). A ValueError: the one kind TRL's harness loop lets out of a rollout (wrapped in CaptureContractError),
-    which ends TRL's rollout child and reaches the trainer through TRL's failure channel."""
+    """A stop this script decides, one line for the user (`error: training stopped: ...`, exit 1). A ValueError: the
+    one kind TRL's harness loop lets out of a rollout, which ends TRL's rollout child and reaches the trainer."""
 
 
 class RolloutsFailing(TrainingStopped):
-    """Rollouts stopped being scorable for a reason outside the policy: --max-consecutive-failures of them in a row, or
-    the Harbor server gone for longer than --harbor-retry-window."""
+    """--max-consecutive-failures unscorable rollouts in a row, or the Harbor server gone past --harbor-retry-window."""
 
 
 class NoSignal(TrainingStopped):
@@ -384,83 +314,48 @@ def stop_from_child(exc: RuntimeError) -> TrainingStopped | None:
     return None if kind is None else kind(" ".join(message.split()))
 
 
-# The fields declared here, listed by --help; the other AsyncGRPOConfig fields appear under --help-all.
-OWN_FLAGS = ({f.name for f in dataclasses.fields(ScriptArguments) + dataclasses.fields(LoraArguments)}
-             | set(HarborGRPOConfig.__annotations__))
-# --help's sections, in the order a run uses them: every flag of OWN_FLAGS but --help-all, which stays with --help.
-HELP_GROUPS = {
-    "model and vLLM": ["model", "vllm_url", "dtype"],
-    "Harbor server": ["harbor_url", "harbor_command", "harbor_expose", "harbor_retry_window", "dataset", "split",
-                      "allow_engine_mismatch"],
-    "tasks and rollouts": ["tasks", "harness", "sandbox", "agent_step_limit", "agent_timeout", "max_completion_length",
-                           "temperature", "max_inflight"],
-    "reward": ["reward_key", "efficiency_weight"],
-    "training": ["num_generations", "micro_batches_per_step", "learning_rate", "max_steps", "max_staleness", "delta",
-                 "max_zero_variance_groups", "max_consecutive_failures"],
-    "run dir, checkpoints and logging": ["output_dir", "run_name", "resume", "save_steps", "save_total_limit",
-                                         "report_to", "project"],
-    "preflight": ["check", "probe_rollout"],
-    "measure, held-out eval and curate": ["eval_only", "eval_k", "eval_tasks", "eval_steps", "curate", "band",
-                                          "curated_tasks"],
-    "LoRA (TRL's ModelConfig fields)": ["use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-                                        "use_rslora"],
-}
+# What --help lists; --help-all adds every other AsyncGRPOConfig field.
+OWN_FLAGS = {f.name for c in (ScriptArguments, LoraArguments) for f in dataclasses.fields(c)} | {
+    *HarborGRPOConfig.__annotations__, "help", "help_all", "config"}
 
 
 class Parser(TrlParser):
+    def __init__(self, help_all: bool = False):
+        self.help_all = help_all
+        super().__init__((ScriptArguments, HarborGRPOConfig, LoraArguments), allow_abbrev=False,  # --mod: not --model
+                         usage="%(prog)s [--config RECIPE_YAML] [--flag VALUE ...]",
+                         description="Recipes, and what a help line cannot hold: docs/flags.md.")
+        self.add_argument("--config", metavar="RECIPE_YAML", help="YAML of flags and AsyncGRPOConfig fields by their "
+                          "underscored names, as in TRL's scripts; the command line overrides it.")
+        self.add_argument("--help-all", action="help", help="Print this help and every other AsyncGRPOConfig field.")
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:  # HfArgumentParser adds each field here
+        if not (self.help_all or kwargs.get("dest", names[-1].lstrip("-").replace("-", "_")) in OWN_FLAGS):
+            kwargs["help"] = argparse.SUPPRESS
+        return super().add_argument(*names, **kwargs)
+
     def error(self, message: str):  # argparse's usage block and its error line: one `error:` line instead
         raise UsageError(message)
 
 
-def build_parser(help_all: bool = False) -> Parser:
-    parser = Parser((ScriptArguments, HarborGRPOConfig, LoraArguments), allow_abbrev=False,  # `--mod X` must never mean --model
-                    description="RL-train a model on a Harbor task suite through a loop-owning harness with TRL "
-                                "AsyncGRPO. Each flag's details: docs/flags.md.",
-                    usage="%(prog)s [--config RECIPE_YAML] [--flag VALUE ...]  (--help-all: every AsyncGRPOConfig "
-                          "field too)")
-    parser.add_argument("--config", metavar="RECIPE_YAML",  # TrlParser reads it before parsing; here for --help
-                        help="A recipe, as in TRL's scripts: YAML of flags and AsyncGRPOConfig fields by their "
-                             "underscored names; the command line overrides it (docs/flags.md).")
-    # private: argparse lists its actions only as _actions and _option_string_actions (TrlParser reads them too)
-    for action in parser._actions:
-        if not (help_all or action.dest in OWN_FLAGS | {"help", "config"}):
-            action.help = argparse.SUPPRESS
-        # HfArgumentParser gives every field --name_with_underscores and --name-with-dashes. Both still parse (argparse
-        # finds an option in its own table of names); --help and argparse's errors name the dashed one.
-        action.option_strings = [name for name in action.option_strings
-                                 if "_" not in name or name.replace("_", "-") not in action.option_strings]
-    # HfArgumentParser makes a group per dataclass.
-    # private: argparse has no public call to move an argument to another group (_action_groups, _group_actions)
-    for title, names in HELP_GROUPS.items():
-        group = parser.add_argument_group(title)
-        for name in names:
-            action = parser._option_string_actions[f"--{name.replace('_', '-')}"]
-            for container in parser._action_groups:
-                if action in container._group_actions:
-                    container._group_actions.remove(action)
-            group._group_actions.append(action)
-    # The rest of AsyncGRPOConfig (shown by --help-all) comes last.
-    parser._action_groups.sort(key=lambda group: group.title == HarborGRPOConfig._argument_group_name)
-    return parser
+# The counts a run cannot go below.
+FLOORS = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1, "max_steps": 1,
+          "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1, "save_total_limit": 0,
+          "eval_k": 1, "max_staleness": 0, "agent_timeout": 0, "harbor_retry_window": 0, "max_zero_variance_groups": 0,
+          "eval_steps": 0, "lora_r": 1}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
-    parser = build_parser(help_all="--help-all" in argv)
-    if "--help-all" in argv:
-        parser.print_help()
-        raise SystemExit(0)
+    parser = Parser(help_all="--help-all" in argv)
     recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
-    defaults = [action.default for action in parser._actions]
-    named = {parser._option_string_actions[a.split("=")[0]].dest for a in argv if a.split("=")[0] in
-             parser._option_string_actions}
+    typed = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+    defaults = vars(parser.parse_known_args([])[0])
 
-    def given() -> set[str]:  # what the command line or the recipe set
-        return named | {action.dest for action, default in zip(parser._actions, defaults) if action.default != default}
-
-    def trl_given() -> list[str]:  # AsyncGRPOConfig fields beyond the script's
-        return sorted(given() - OWN_FLAGS - {"config"})
+    def given() -> set[str]:  # the fields the command line or the recipe set (TrlParser makes a recipe the defaults)
+        now = vars(parser.parse_known_args([])[0])
+        return {name for name in now if now[name] != defaults[name] or name in typed or f"no_{name}" in typed}
 
     try:
         script, config, lora, _, unknown_keys, unknown = parser.parse_args_and_config(
@@ -468,37 +363,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (OSError, yaml.YAMLError) as exc:
         raise UsageError(f"--config {recipe}: {' '.join(str(exc).split())}") from None
     except ValueError as exc:  # TRL's and transformers' own checks, as the config is built (a scheduler's name)
-        flags = ", ".join(f"--{name.replace('_', '-')}" for name in trl_given()) or "none"
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in sorted(given() - OWN_FLAGS)) or "none"
         raise UsageError(f"AsyncGRPOConfig could not be built (TRL flags given: {flags}): "
                          f"{' '.join(str(exc).split())}") from None
     if unknown_keys:
-        raise UsageError(f"--config {recipe}: unknown key(s) {', '.join(k[2:] for k in unknown_keys[::2])}: not a "
-                         "flag of this script nor an AsyncGRPOConfig field (--help-all lists them)")
+        keys = ", ".join(key.removeprefix("--") for key in unknown_keys[::2])
+        raise UsageError(f"--config {recipe}: unknown key(s) {keys}: no flag nor field (--help-all lists them)")
     if unknown:
-        name = unknown[0].split("=")[0].lstrip("-").replace("-", "_")
-        decided = HarborGRPOConfig.__dataclass_fields__.get(name)
-        close = difflib.get_close_matches(name, [a.dest for a in parser._actions], n=1)
-        hint = (f"; this script sets it {decided.metadata['help']}" if decided and not decided.init
-                else f"; did you mean --{close[0].replace('_', '-')}?" if close else "")
-        raise UsageError(f"unrecognized arguments: {' '.join(unknown)}{hint} (--help-all lists every flag)")
-    # One namespace for the script: its flags, HarborGRPOConfig's own fields, the config the trainer gets, and the
-    # other AsyncGRPOConfig fields the user set (for the hyper-parameter table).
+        decided = HarborGRPOConfig.__dataclass_fields__.get(unknown[0].split("=")[0].lstrip("-").replace("-", "_"))
+        why = f"; this script sets it {decided.metadata['help']}" if decided else " (--help-all lists every flag)"
+        raise UsageError(f"unrecognized arguments: {' '.join(unknown)}{why}")
+    # One namespace: the script's flags, HarborGRPOConfig's own fields, the config the trainer gets, and the other
+    # AsyncGRPOConfig fields the user set (for the hyper-parameter table).
     args = argparse.Namespace(**vars(script), **vars(lora),
                               **{name: getattr(config, name) for name in HarborGRPOConfig.__annotations__},
-                              config=config, trl={name: getattr(config, name) for name in trl_given()})
-    positive = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
-                "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1,
-                "save_total_limit": 0, "eval_k": 1, "max_staleness": 0, "agent_timeout": 0, "harbor_retry_window": 0,
-                "max_zero_variance_groups": 0, "eval_steps": 0}
-    for name, low in positive.items():
-        if (getattr(args, name) or 0) < low:  # save_total_limit may be None (TRL's `none`): keep all, as 0
+                              config=config, trl={name: getattr(config, name) for name in sorted(given() - OWN_FLAGS)})
+    for name, low in FLOORS.items():
+        if (getattr(args, name) or 0) < low:  # save_total_limit None is TRL's `none`: keep all, as 0
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
     if args.use_peft and "dtype" not in given():
         args.dtype = config.dtype = "bfloat16"  # LoRA freezes the base: float32 copies of it would only cost memory
     if args.use_peft and "learning_rate" not in given():
         args.learning_rate = config.learning_rate = LORA_LEARNING_RATE
-    if args.use_peft and args.lora_r < 1:
-        raise UsageError(f"--lora-r must be >= 1 (got {args.lora_r})")
     args.measure = args.eval_only or args.curate == ""
     args.eval_steps = args.eval_steps or 0
     if args.eval_steps > 1 and args.eval_steps != int(args.eval_steps):
@@ -506,51 +392,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "--max-steps below 1 (0.1: every tenth of the run)")
     # transformers' reading of a fraction: of the run's steps, rounded up (TrainerState.compute_steps).
     args.eval_steps = math.ceil(args.max_steps * args.eval_steps) if args.eval_steps < 1 else int(args.eval_steps)
-    if config.eval_strategy != "no":  # transformers' IntervalStrategy, a str
-        raise UsageError(f"--eval-strategy {config.eval_strategy.value}: AsyncGRPOTrainer takes no eval "
-                         "dataset; measure held-out Harbor tasks during training with --eval-tasks SPEC --eval-steps N "
-                         "--eval-k K")
     args.harnesses = [name.strip() for name in args.harness.split(",") if name.strip()]
     if not args.harnesses:
         raise UsageError("--harness is empty; name one, e.g. mini-swe-agent, or several: mini-swe-agent,terminus-2")
     try:
         low, high = (float(x) for x in args.band.split(","))
     except ValueError:
-        raise UsageError(f"--band {args.band!r}: give two pass rates LOW,HIGH, e.g. 0.1,0.9") from None
+        low, high = 1, 0
     if not 0 <= low <= high <= 1:
-        raise UsageError(f"--band {args.band!r}: need 0 <= LOW <= HIGH <= 1")
+        raise UsageError(f"--band {args.band}: give two pass rates LOW,HIGH, 0 <= LOW <= HIGH <= 1, e.g. 0.1,0.9")
     args.band = low, high
     if args.max_inflight < args.num_generations and not args.measure:
         raise UsageError(f"--max-inflight ({args.max_inflight}) must be >= --num-generations "
                          f"({args.num_generations}): a group is only scored once all its rollouts finished")
     if not args.temperature > 0:
-        raise UsageError(f"--temperature must be > 0 (got {args.temperature}): the proxy enforces a "
-                         "full-vocabulary sampling policy")
+        raise UsageError(f"--temperature must be > 0 (got {args.temperature}): the proxy enforces it on every call")
     clip = 1 + (config.epsilon_high if config.epsilon_high is not None else config.epsilon)
     if args.delta and not args.delta > clip or args.delta < 0:
-        raise UsageError(f"--delta must be above 1 + --epsilon-high ({clip:g}), or 0 to turn the bound off (got "
-                         f"{args.delta:g}): below it, the bound would cut what the clip lets through")
+        raise UsageError(f"--delta must be above 1 + --epsilon-high ({clip:g}), or 0 (got {args.delta:g})")
     if not 0 <= args.efficiency_weight < 1:
-        raise UsageError(f"--efficiency-weight must be in [0, 1) (got {args.efficiency_weight}): at 1 the bonus would "
-                         "reach the next correctness level")
-    args.harbor_url = args.harbor_url.rstrip("/")
-    args.capture_url = ""  # the capture proxy as the sandboxes reach it, once the preflight reached it there too
-    # The defaults --help describes (HARBOR_SERVE, the shipped tasks.txt), resolved on this machine.
-    args.harbor_command = args.harbor_command or shlex.join([sys.executable, "-m", "openenv.cli", "harbor", "serve"])
-    args.tasks = args.tasks or DEFAULT_TASKS
+        raise UsageError(f"--efficiency-weight must be in [0, 1) (got {args.efficiency_weight})")
     if args.probe_rollout and not args.check:
         raise UsageError("--probe-rollout is part of --check; add --check")
-    if args.resume == "auto" and not (args.run_name or args.output_dir or os.environ.get("SLURM_JOB_ID")):
-        raise UsageError("--resume auto needs a run name that survives a relaunch: pass --run-name (or --output-dir); "
-                         "under SLURM the job id names the run")
-    if not args.run_name and args.output_dir:
-        # A relaunch into the same dir is the same run, so it keeps its name in the tracker.
-        args.run_name = Path(args.output_dir.rstrip("/")).name
-    if not args.run_name:
-        stamp = (f"slurm{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID")
-                 else f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}")
-        model_short = Path(args.model.rstrip("/")).name
-        args.run_name = f"{model_short}-{args.harness.replace(',', '+')}-{args.sandbox}-{stamp}"
+    job = os.environ.get("SLURM_JOB_ID")
+    if args.resume == "auto" and not (args.run_name or args.output_dir or job):
+        raise UsageError("--resume auto needs a run name that survives a relaunch: pass --run-name (or --output-dir)")
+    args.harbor_url = args.harbor_url.rstrip("/")
+    args.capture_url = ""  # the capture proxy as the sandboxes reach it, once the preflight reached it there too
+    # A relaunch into the same dir, or a requeued SLURM job, is the same run: it keeps its name in the tracker.
+    stamp = f"slurm{job}" if job else f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    default_name = f"{Path(args.model.rstrip('/')).name}-{args.harness.replace(',', '+')}-{args.sandbox}-{stamp}"
+    args.run_name = args.run_name or Path(args.output_dir.rstrip("/")).name or default_name
     args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
     args.config.run_name, args.config.output_dir = args.run_name, args.output_dir
     return args
@@ -560,9 +432,8 @@ def peft_config(args: argparse.Namespace):
     """The LoraConfig of --use-peft, by TRL's own ModelConfig -> get_peft_config; None without it."""
     if not args.use_peft:
         return None
-    config = get_peft_config(ModelConfig(
-        model_name_or_path=args.model, use_peft=True, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout, lora_target_modules=args.lora_target_modules, use_rslora=args.use_rslora))
+    lora = {f.name: getattr(args, f.name) for f in dataclasses.fields(LoraArguments)}
+    config = get_peft_config(ModelConfig(model_name_or_path=args.model, **lora))
     if args.lora_target_modules and args.lora_target_modules != ["all-linear"]:
         # ModelConfig turns a list of one name into a string, which PEFT matches as a regex against whole module paths
         # (`q_proj` would match none); names in a list it matches by suffix.
@@ -570,9 +441,7 @@ def peft_config(args: argparse.Namespace):
     return config
 
 
-def say(line: str) -> None:
-    """One line to stdout in one write: print() writes the text and its newline apart, so lines of writers sharing
-    the output (the rollout child's threads, the ranks of a launch) run into each other."""
+def say(line: str) -> None:  # in one write: print()'s text and newline apart interleave with other writers'
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
@@ -587,8 +456,8 @@ def redact(text: str) -> str:
     for name, value in os.environ.items():
         if len(value) >= 6 and re.search(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", name, re.I):
             text = text.replace(value, f"<{name}>")
-    # Shapes of the credentials our users carry (HF, OpenAI-style, E2B), for text that comes from the Harbor server,
-    # whose environment we cannot see.
+    # Shapes of our users' credentials (HF, OpenAI-style, E2B) in text from the Harbor server, whose environment we
+    # cannot see.
     return re.sub(r"\b(hf_|sk-|e2b_)[A-Za-z0-9_-]{8,}", lambda m: f"{m[1]}<redacted>", text)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -169,59 +170,36 @@ def vllm_serve(command: str) -> tuple[set[str], list[str]]:
 
 
 def help_entries() -> dict[str, str]:
-    """Each flag `--help` lists, by the spelling it shows, and its entry (the lines up to the next flag, joined)."""
+    """Each flag `--help` lists, by each spelling it shows, and its entry (the lines up to the next flag, joined)."""
     proc = script_help()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {re.match(r"  (?:-\w, )?(--[\w-]+)", entry)[1]: " ".join(entry.split())
-            for entry in re.split(r"\n(?=  -)", proc.stdout.split("\n\n", 2)[2]) if entry.startswith("  -")}
+    entries = [entry for entry in re.split(r"\n(?=  -)", proc.stdout) if entry.startswith("  -")]
+    return {flag: " ".join(entry.split()) for entry in entries
+            for flag in re.findall(r"--[\w-]+", re.split(r"\s{2,}|\n", entry.strip())[0])}
 
 
 def help_default(flag: str) -> str:
     return re.search(r"\(default: ([^)]*)\)", help_entries()[flag])[1]
 
 
-def help_sections() -> dict[str, list[str]]:
-    """`--help`'s groups: each title and the flags listed under it, in order."""
-    sections = {}
-    for block in script_help().stdout.split("\n\n"):
-        title, _, body = block.partition("\n")
-        if title.endswith(":") and not title.startswith(" "):
-            sections[title[:-1]] = re.findall(r"^  (?:-\w, )?(--[\w-]+)", body, re.M)
-    return sections
-
-
-def test_help_lists_each_flag_once_by_its_dashed_name():
-    """TrlParser accepts --name_with_underscores and --name-with-dashes; --help shows one, the dashed one."""
-    proc = script_help()
-    invocations = re.findall(r"^  (-\S.*?)(?:  |$)", proc.stdout, re.M)
-    names = [name for invocation in invocations for name in re.findall(r"--[\w-]+", invocation)]
-    assert names and len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
-    assert [name for name in names if "_" in name] == [], invocations
-
-
-def test_help_groups_related_flags_and_points_to_the_details():
-    sections = help_sections()
-    where = {flag: title for title, flags in sections.items() for flag in flags}
-    # Every flag of the script sits in a group of its kind; only help and the recipe stay with argparse's options.
-    assert sections["options"] == ["--help", "--help-all", "--config"], sections
-    assert len({where[f] for f in ("--eval-only", "--eval-k", "--eval-tasks", "--eval-steps", "--curate",
-                                   "--band", "--curated-tasks")}) == 1, sections
-    assert len({where[f] for f in ("--harbor-url", "--harbor-command", "--harbor-expose", "--harbor-retry-window",
-                                   "--dataset", "--split")}) == 1, sections
-    assert len({where[f] for f in ("--use-peft", "--lora-r", "--lora-alpha", "--lora-dropout",
-                                   "--lora-target-modules", "--use-rslora")}) == 1, sections
-    # Every flag whose help sends the reader to docs/flags.md finds its heading there; a help is a sentence or
-    # two, the figures live in the file.
-    details = (SCRIPT.parent / "docs" / "flags.md").read_text()
-    headings = set(re.findall(r"^#+ `(--[\w-]+)", details, re.M))
-    entries = help_entries()
-    pointing = {flag for flag, entry in entries.items() if "(docs/flags.md)" in entry}
-    assert {"--dtype", "--harbor-expose", "--agent-step-limit"} <= pointing
-    assert pointing - headings == set()
-    assert headings - set(entries) == set(), "a heading for no flag"
-    for flag, entry in entries.items():
-        help_text = re.sub(r"^--\S+( \S+)?( \S+ \.\.\.\])? ", "", entry.split(" (default:")[0])
+def test_every_docs_page_a_flags_help_names_exists():
+    """A help is a sentence or two; what it cannot hold lives in docs/, and the page (for docs/flags.md, the flag's
+    own heading) it names is there."""
+    script = load_script()
+    flags_md = (ROOT / "docs" / "flags.md").read_text()
+    headings = set(re.findall(r"^#+ `(--[\w-]+)", flags_md, re.M))
+    fields = [f for cls in (script.ScriptArguments, script.HarborGRPOConfig, script.LoraArguments)
+              for f in dataclasses.fields(cls) if f.init and f.name in cls.__annotations__]
+    pointing = set()
+    for f in fields:
+        flag, help_text = f"--{f.name.replace('_', '-')}", f.metadata["help"].split(" (default:")[0]
         assert len(help_text) <= 240, (flag, help_text)
+        for page in re.findall(r"docs/[\w-]+\.md", help_text):
+            assert (ROOT / page).exists(), (flag, page)
+            pointing |= {flag} if page == "docs/flags.md" else set()
+    assert {"--dtype", "--harbor-expose", "--delta"} <= pointing
+    assert pointing - headings == set(), "a help names docs/flags.md, which has no heading for its flag"
+    assert headings - {f"--{f.name.replace('_', '-')}" for f in fields} == set(), "a heading for no flag"
 
 
 def test_no_default_in_help_names_this_machine():
@@ -420,45 +398,3 @@ def test_what_the_readme_says_you_will_see_is_copied_from_the_gpu_run_it_links()
     [block] = re.findall(r"```\n(.*?)```", section, flags=re.S)
     recorded = set((ROOT / log).read_text().splitlines())
     assert [line for line in block.splitlines() if line not in recorded] == []
-
-
-def script_functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
-    """Every function of the script with its qualified name (`Class.method`)."""
-    found = []
-    for node in ast.parse(SCRIPT.read_text()).body:
-        for inner in [node, *(node.body if isinstance(node, ast.ClassDef) else [])]:
-            if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found.append((f"{node.name}.{inner.name}" if inner is not node else inner.name, inner))
-    return found
-
-
-def test_no_class_is_defined_inside_a_function():
-    """A class inside a function closes over its locals, cannot be pickled into TRL's rollout child, and hides from
-    a reader who scans the module."""
-    nested = [f"{name}: class {inner.name} (line {inner.lineno})" for name, function in script_functions()
-              for inner in ast.walk(function) if isinstance(inner, ast.ClassDef)]
-    assert nested == []
-
-
-# Where a process boundary passes only text, the one place that parses it: TRL's failure channel from the rollout
-# child ("Name: message"), and TRL's VLLMClient, which raises a bare Exception holding vLLM's HTTP answer.
-PARSES_TEXT_OF = {"stop_from_child", "CudaIpcWeightTransfer.send_weights"}
-MESSAGE_READS = {"partition", "rpartition", "startswith", "endswith", "find", "index", "count"}
-
-
-def test_no_control_flow_reads_an_exception_message_outside_the_one_parser_of_each_boundary():
-    """Errors carry their kind as a type: a decision taken on str(exc) breaks silently when a library rewords it.
-    Showing the message to the user is fine; comparing it, matching it or splitting it into parts is a read."""
-    readers = set()
-    for name, function in script_functions():
-        caught = {n.name for n in ast.walk(function) if isinstance(n, ast.ExceptHandler) and n.name} | \
-            {arg.arg for arg in function.args.args if arg.arg in ("exc", "error")}
-        for node in ast.walk(function):
-            reads = isinstance(node, ast.Compare) or isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and (getattr(node.func.value, "id", "") == "re" or node.func.attr in MESSAGE_READS)
-            if reads and any(isinstance(inner, ast.Call) and getattr(inner.func, "id", "") == "str" and inner.args
-                             and any(isinstance(n, ast.Name) and n.id in caught for n in ast.walk(inner.args[0]))
-                             for inner in ast.walk(node)):
-                readers.add(name)
-    assert readers - PARSES_TEXT_OF == set()
-    assert PARSES_TEXT_OF <= readers, "each parser of a boundary's text is found by this test"

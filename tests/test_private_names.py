@@ -111,8 +111,6 @@ PRIVATE = [
             used_by=("transformers:Trainer._maybe_log_save_evaluate: self._save_checkpoint\\(model, trial\\)",)),
     Private("transformers:Trainer", "_get_output_dir", "(self, trial): where _save_checkpoint writes", "method",
             ("self", "trial"), used_by=("transformers:Trainer._save_checkpoint: run_dir = self._get_output_dir\\(",)),
-    Private("transformers:HfArgumentParser", "_argument_group_name", "a dataclass's --help group title", "class_attr",
-            hook=True, used_by=("transformers:HfArgumentParser: dtype._argument_group_name",)),
     # torch.
     Private("torch.utils.data:DataLoader", "_get_iterator", "(self): makes each pass's iterator", "method",
             ("self",), used_by=("torch.utils.data:DataLoader.__iter__: self._get_iterator\\(\\)",)),
@@ -120,10 +118,6 @@ PRIVATE = [
     Private("torch._C._distributed_c10d:Backend.Options", "_timeout", "a backend's collective timeout", "property"),
     # The standard library.
     Private("multiprocessing.queues:Queue", "_writer", "the write end of the queue's pipe (a Connection)", "init"),
-    Private("argparse:ArgumentParser", "_actions", "the list of every action, in order", "init"),
-    Private("argparse:ArgumentParser", "_option_string_actions", "option string -> action", "init"),
-    Private("argparse:ArgumentParser", "_action_groups", "the groups --help prints, in order", "init"),
-    Private("argparse:_ArgumentGroup", "_group_actions", "the list of actions --help prints under the group", "init"),
 ]
 # Private-looking names the library documents as public.
 DOCUMENTED = {"_exit": "os._exit"}

@@ -43,7 +43,7 @@ def test_a_refusal_is_one_line_and_exit_code_2_from_the_command_line(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--lerning-rate", "1e-6"], "unrecognized arguments: --lerning-rate 1e-6; did you mean --learning-rate?"),
+    (["--lerning-rate", "1e-6"], "unrecognized arguments: --lerning-rate 1e-6"),
     (["--epsilon-high", "x"], "--epsilon-high: invalid float value: 'x'"),
     (["--logging-nan-inf-filter=maybe"], "--logging-nan-inf-filter: Truthy value expected: got maybe"),
     (["--seed", "0.5"], "--seed: invalid int value: '0.5'"),
@@ -180,8 +180,8 @@ def test_use_peft_alone_trains_at_loras_learning_rate_on_a_bfloat16_base():
 
 
 def test_every_flag_parses_by_its_underscored_name_too_as_in_trl_scripts():
-    """--help shows --name-with-dashes only; --name_with_underscores, as TrlParser accepts it, still parses, and so
-    do HF's booleans (bare, `false`)."""
+    """--name-with-dashes and --name_with_underscores both parse, as in TrlParser's scripts, and so do HF's booleans
+    (bare, `false`)."""
     agh = load_script()
     dashed = agh.parse_args(["--run-name", "r", "--harbor-url", "http://h:1/", "--eval-k", "3", "--check", "false",
                              "--max-steps", "9", "--epsilon-high", "0.28"])

@@ -30,7 +30,7 @@ UV_RUN = ["run", "--no-project", "--python", "3.12", "--with-requirements", str(
 
 
 def script_default(flag: str) -> str:
-    return load_script().build_parser().get_default(flag)
+    return load_script().Parser().get_default(flag)
 
 
 def standin_env(tmp_path: Path, log: Path) -> dict[str, str]:
