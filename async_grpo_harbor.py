@@ -398,7 +398,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         low, high = (float(x) for x in args.band.split(","))
     except ValueError:
-        low, high = 1, 0
+        low = high = math.nan  # refused below
     if not 0 <= low <= high <= 1:
         raise UsageError(f"--band {args.band}: give two pass rates LOW,HIGH, 0 <= LOW <= HIGH <= 1, e.g. 0.1,0.9")
     args.band = low, high
