@@ -2076,15 +2076,14 @@ def check_checkpoints(pf: Preflight) -> None:
     peak = (kept + 1) * each + merged  # the oldest goes once the newest is whole
     free = shutil.disk_usage(args.output_dir).free
     pf.plan["checkpoint_bytes"] = each
-    count = f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count / 1e6:.2f} M"
+    params = f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count / 1e6:.2f} M"
     what = ("adapter params x 12 B: float32 adapter" if args.use_peft
             else f"params x {3 * width} B: {trainer_dtype(args)} weights")
     end = f", and the merged model at the end ({human_bytes(merged)})" if merged else ""
     pf.add("checkpoints", WARN if free < peak else PASS,
-           f"~{human_bytes(each)} each ({count} {what} + 2 AdamW moments); {kept} kept (--save-total-limit "
+           f"~{human_bytes(each)} each ({params} {what} + 2 AdamW moments); {kept} kept (--save-total-limit "
            f"{args.save_total_limit}) + 1 being written{end} = {human_bytes(peak)}; {human_bytes(free)} free in "
-           f"{args.output_dir}",
-           "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
+           f"{args.output_dir}", "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
 
 
 def nvidia_smi(query: str) -> list[list[str]] | None:
@@ -2184,68 +2183,56 @@ def check_same_gpu(pf: Preflight) -> None:
     if not torch.cuda.is_available():
         pf.add("same GPU", SKIP, "not compared: the trainer has no CUDA device (the trainer GPU row)")
         return
-    props = torch.cuda.get_device_properties(0)
-    mine, apps = str(props.uuid).lower().removeprefix("gpu-"), pf.gpu_apps
-    # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_* (gpu_processes reads their command lines).
-    vllm = {uuid: [a[0] for a in procs if "vllm" in a[1].lower() and a[0] != os.getpid()]
-            for uuid, procs in (apps or {}).items()}
-    vllm = {uuid: pids for uuid, pids in vllm.items() if pids}
-    fix = "start this script with vLLM's GPU visible first: CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>"
+    props, apps = torch.cuda.get_device_properties(0), pf.gpu_apps
+    mine = str(props.uuid).lower().removeprefix("gpu-")
+    vllm = {uuid: pids for uuid, procs in (apps or {}).items()
+            if (pids := [a[0] for a in procs if "vllm" in a[1].lower() and a[0] != os.getpid()])}
     if apps is None:
-        pf.add("same GPU", WARN, "nvidia-smi is unavailable, so which GPU vLLM runs on is unknown: a push from "
-               "another GPU fails at the first step", fix)
+        unknown = "nvidia-smi is unavailable"
     elif (mine.startswith("mig-") or " MIG " in f" {props.name} " or any(uuid.startswith("mig-") for uuid in apps)
           or os.environ.get("CUDA_VISIBLE_DEVICES", "").upper().startswith("MIG-")):
         # A MIG instance's UUID is not its parent GPU's, and nvidia-smi lists processes by either.
-        pf.add("same GPU", WARN, f"cuda:0 ({props.name}) is a MIG instance ({props.uuid}): whether vLLM runs on the "
-               "same GPU instance could not be verified; a push from another fails at the first step",
-               "start vLLM and this script with the same CUDA_VISIBLE_DEVICES=MIG-<UUID, nvidia-smi -L>")
+        unknown = f"cuda:0 ({props.name}) is a MIG instance ({props.uuid}), which UUIDs cannot match to vLLM's"
+    elif not vllm:
+        unknown = "no process of vLLM's shows on any GPU here (nvidia-smi)"
     elif mine in vllm:
         pf.add("same GPU", PASS, f"cuda:0 ({props.name}, GPU-{mine}) is vLLM's GPU (pid {vllm[mine][0]})")
-    elif vllm:
+        return
+    else:
         theirs = next(iter(vllm))
         pf.add("same GPU", FAIL, f"vLLM runs on GPU-{theirs} (pid {vllm[theirs][0]}), the trainer on cuda:0 = "
                f"GPU-{mine}: CUDA IPC reaches only the same physical GPU",
                f"start this script with CUDA_VISIBLE_DEVICES=GPU-{theirs}")
-    else:
-        pf.add("same GPU", WARN, "no process of vLLM's shows on any GPU here (nvidia-smi), so whether it runs on "
-               f"cuda:0 (GPU-{mine}) is unknown: a push from another GPU fails at the first step", fix)
+        return
+    pf.add("same GPU", WARN, f"{unknown}, so whether vLLM runs on cuda:0 could not be verified: a push from another "
+           "GPU fails at the first step", "start vLLM and this script with the same CUDA_VISIBLE_DEVICES=GPU-<UUID> "
+           "(MIG-<UUID> under MIG; nvidia-smi -L)")
 
 
 def check_attention_kernel(pf: Preflight) -> None:
-    """TRL's tree attention, called once now: its kernel's hub download and GPU check take seconds here, not a failed
-    first step after the weights load, the first push and the first paid group. TRL caches the kernel it loads."""
+    """TRL's tree attention, called once now: a kernel that cannot be fetched or has no build for this GPU fails here
+    in seconds, not at the first step after the weights load, the first push and the first paid group."""
     if not torch.cuda.is_available():
         pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
                "(kernels-community/flash-attn3), which has no CPU build")
         return
-    repo = f"kernels-community/{'aiter-flash-attn (version 2)' if torch.version.hip else 'flash-attn3 (version 1)'}"
     props = torch.cuda.get_device_properties(0)
     gpu = f"{props.name} (compute capability {props.major}.{props.minor}), torch {torch.__version__}"
     q = torch.randn(1, 2, 8, 64, device="cuda:0", dtype=torch.bfloat16)
     cu = torch.tensor([0, 8], device="cuda:0", dtype=torch.int32)
-    try:
+    try:  # TRL loads its kernel from the hub at the first call, and caches it
         packing.tree_attention(None, q, q, q, None, tree_kv_index=torch.arange(8, device="cuda:0"),
                                tree_cu_seqlens_q=cu, tree_cu_seqlens_k=cu, tree_max_seqlen_q=8, tree_max_seqlen_k=8)
         torch.cuda.synchronize(0)
-    except ImportError as exc:
-        pf.add("attention kernel", FAIL, f"TRL's tree attention imports `kernels`: {exc}",
-               "install it: pip install 'kernels>=0.17.2,<0.19' (`uv run` installs it from this script's header)")
-    except Exception as exc:  # noqa: BLE001 - the library's message says whether the hub or the GPU refused
-        message = redact(f"{type(exc).__name__}: {exc}")[:600]
-        if (os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
-                or re.search(r"offline|connect|resolve|timed? ?out|local snapshot|cached", message, re.I)):
-            pf.add("attention kernel", FAIL, f"{repo} could not be fetched from the hub: {message}",
-                   "pre-fetch it into a hub cache on a machine with internet and the same torch and CUDA: "
-                   "HF_HOME=/shared/hf python -c \"from kernels import get_kernel; "
-                   "get_kernel('kernels-community/flash-attn3', version=1)\"; then train with HF_HOME=/shared/hf "
-                   "HF_HUB_OFFLINE=1")
-        else:
-            pf.add("attention kernel", FAIL, f"{repo} has no build for this GPU and torch, or cannot run on it: "
-                   f"{gpu}: {message}", "TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is "
-                   "built for (FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
-    else:
-        pf.add("attention kernel", PASS, f"{repo} loaded and ran on {gpu}")
+    except Exception as exc:  # noqa: BLE001 - `kernels` missing, the hub unreachable, no build for this GPU: all fail
+        pf.add("attention kernel", FAIL, redact(f"TRL's tree attention (kernels-community/flash-attn3) cannot run on "
+                                                f"{gpu}: {type(exc).__name__}: {exc}")[:700],
+               "TRL 1.16's AsyncGRPO attends only through it: train on a Hopper GPU (H100 / H200) with `kernels` "
+               "installed (`uv run` does); offline, pre-fetch it on a machine with internet, the same torch and CUDA "
+               "(HF_HOME=/shared/hf python -c \"from kernels import get_kernel; get_kernel('kernels-community/"
+               "flash-attn3', version=1)\") and train with HF_HOME=/shared/hf HF_HUB_OFFLINE=1")
+        return
+    pf.add("attention kernel", PASS, f"kernels-community/flash-attn3 (version 1) loaded and ran on {gpu}")
 
 
 def check_trainer_memory(pf: Preflight) -> None:
@@ -2271,10 +2258,10 @@ def check_trainer_memory(pf: Preflight) -> None:
     except (AssertionError, RuntimeError):  # torch built without CUDA asserts; with CUDA but no device it raises
         free = total = 0
     limit = (min(free, int(total * (1 - share))) if share else free) - OUTSIDE_ALLOCATOR
-    room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}" + (
-        f"; vLLM shares this GPU and sized itself to --gpu-memory-utilization {share:g} x {gib(total)} = "
-        f"{gib(share * total)}" if share else "") + f"; {gib(OUTSIDE_ALLOCATOR)} left for what torch's allocator "
-            "does not count)")
+    vllm = (f"; vLLM shares this GPU and sized itself to --gpu-memory-utilization {share:g} x {gib(total)} = "
+            f"{gib(share * total)}" if share else "")
+    room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}{vllm}; "
+            f"{gib(OUTSIDE_ALLOCATOR)} left for what torch's allocator does not count)")
     # vLLM's own copies while it loads a push come out of the same room: the trainer is capped below them.
     fraction = min(1.0, max(0, limit - beside + torch.cuda.memory_reserved(0)) / total) if total and share else 0
     cap = (f"; the trainer is capped there at train start (torch.cuda.set_per_process_memory_fraction {fraction:.3f}"
@@ -2287,7 +2274,8 @@ def check_trainer_memory(pf: Preflight) -> None:
     rows = (f"a {row:,}-token row (TRL packs rollouts up to its token budget, here {budget})" if row
             else "the static part alone (the row is TRL's token budget, vLLM's max_model_len: unknown)")
     detail = f"projected peak {gib(need)} for {rows}, {what}: {', '.join(f'{k} {gib(n)}' for k, n in parts.items())}"
-    fix = memory_fixes(args, shape, peak, need, limit, total, row or 0, share) if shape and total else ""
+    tight = shape and total and need * (1 + MEMORY_TOLERANCE) > limit
+    fix = memory_fixes(args, shape, peak, need, limit, total, row or 0, share) if tight else ""
     if shape is None:
         status, detail = SKIP, (f"not projected: {model_shape_error(args) or '--dtype auto: its dtype is unknown'}"
                                 + (f"; {room}{cap}" if cap else ""))
@@ -2299,7 +2287,7 @@ def check_trainer_memory(pf: Preflight) -> None:
         return  # nothing trains
     elif row is None:
         status, detail = SKIP, f"{detail}: fits {room}; the activations are projected once vLLM answers{cap}"
-    elif need * (1 + MEMORY_TOLERANCE) > limit:
+    elif tight:
         status, detail = WARN, f"{detail}, within {MEMORY_TOLERANCE:.0%} of {room}{cap}"
     else:
         status, detail = PASS, f"{detail}; fits {room}, {gib(limit - need)} to spare{cap}"
