@@ -2127,7 +2127,7 @@ def check_trainer_gpu(pf: Preflight) -> None:
         fix = f"install NVIDIA driver >= {floor} (Linux), the oldest that runs CUDA {cuda}"
         if not driver:
             found = "no NVIDIA driver answers (nvidia-smi is missing or fails)"
-        elif int(driver.split(".")[0]) < floor:
+        elif driver.split(".")[0].isdigit() and int(driver.split(".")[0]) < floor:
             found = f"the NVIDIA driver is {driver}, too old for CUDA {cuda}"
         else:
             found = f"the NVIDIA driver is {driver}, new enough for CUDA {cuda}, but no GPU is visible to this process"
