@@ -2242,10 +2242,9 @@ def check_trainer_memory(pf: Preflight) -> None:
     peak could be projected."""
     args, shape, served = pf.args, pf.shape, pf.served or {}
     share = served.get("gpu_memory_utilization") if pf.ipc else None
-    served_dtype = getattr(torch, str(served.get("dtype")), None)
     ranks, fsdp = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     peak = functools.partial(trainer_peak, ranks=ranks, fsdp=fsdp, backend=served.get("weight_transfer"),
-                             served_width=served_dtype.itemsize if isinstance(served_dtype, torch.dtype) else 2)
+                             served_width=getattr(torch, str(served.get("dtype")), torch.bfloat16).itemsize)
     row = served.get("max_model_len")  # TRL packs rollouts into rows up to its token budget, unset: this
     if (args.config.token_budget or 0) > 0:
         row = args.config.token_budget
@@ -2302,24 +2301,28 @@ def memory_fixes(args: argparse.Namespace, shape: TrainerShape, peak: Callable[.
     fixes, low, high = [], 0, row
     while low < high:  # the longest row that fits
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if sum(peak(shape, mid).values()) * (1 + MEMORY_TOLERANCE) <= limit else (low, mid - 1)
-    if (tokens := low // 1024 * 1024) >= PROMPT_TOKENS + args.max_completion_length:
+        fits = sum(peak(shape, mid).values()) * (1 + MEMORY_TOLERANCE) <= limit
+        low, high = (mid, high) if fits else (low, mid - 1)
+    tokens = low // 1024 * 1024
+    if tokens >= PROMPT_TOKENS + args.max_completion_length:
         steps = min(args.agent_step_limit, (tokens - PROMPT_TOKENS) // args.max_completion_length)
         where = (f"--token-budget {tokens}" if (args.config.token_budget or 0) > 0
                  else f"serve vLLM with --max-model-len {tokens} (TRL's token budget)")
         fixes.append(f"{where} and pass --agent-step-limit {steps}, so a rollout of {args.max_completion_length}-token "
                      f"turns still fits (the longest row with {MEMORY_TOLERANCE:.0%} to spare: {low:,} tokens)")
-    least = 2 * shape.params + row * shape.kv + VLLM_BUFFERS  # vLLM's bfloat16 weights, one row's KV cache, buffers
-    lower = math.floor(((share or 0) - (need * (1 + MEMORY_TOLERANCE) - limit) / total) * 100) / 100
-    if share and lower * total >= least:
-        fixes.append(f"restart vLLM with --gpu-memory-utilization {lower:.2f} (now {share:g}; it needs "
-                     f"{least / total:.2f} at the least: {gib(least)} for its weights, one {row:,}-token "
-                     "sequence's KV cache and its buffers)")
-    lora = None if args.use_peft else trainer_shape(argparse.Namespace(**{**vars(args), "use_peft": True,
-                                                                            "dtype": "bfloat16"}))
-    if lora and sum(peak(lora, row).values()) * (1 + MEMORY_TOLERANCE) <= limit:
-        fixes.append(f"--use-peft (LoRA r {args.lora_r} on a bfloat16 base: {gib(sum(peak(lora, row).values()))} "
-                     "projected for this row)")
+    if share:
+        lower = math.floor((share - (need * (1 + MEMORY_TOLERANCE) - limit) / total) * 100) / 100
+        least = 2 * shape.params + row * shape.kv + VLLM_BUFFERS  # vLLM's bfloat16 weights, one row's KV, buffers
+        if lower * total >= least:
+            fixes.append(f"restart vLLM with --gpu-memory-utilization {lower:.2f} (now {share:g}; it needs "
+                         f"{least / total:.2f} at the least: {gib(least)} for its weights, one {row:,}-token "
+                         "sequence's KV cache and its buffers)")
+    if not args.use_peft:
+        lora = trainer_shape(argparse.Namespace(**{**vars(args), "use_peft": True, "dtype": "bfloat16"}))
+        lora_peak = sum(peak(lora, row).values()) if lora else 0
+        if lora_peak and lora_peak * (1 + MEMORY_TOLERANCE) <= limit:
+            fixes.append(f"--use-peft (LoRA r {args.lora_r} on a bfloat16 base: {gib(lora_peak)} projected for this "
+                         "row)")
     return "; or ".join(fixes) or "train on a GPU with more free memory, or shard it with FSDP (slurm/README.md)"
 
 
