@@ -2100,7 +2100,7 @@ def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
     """GPU uuid -> [(pid, command line, GiB)] of the compute processes nvidia-smi lists; None when it cannot."""
     found = nvidia_smi("--query-compute-apps=gpu_uuid,pid,used_memory,process_name")
     apps: dict[str, list[tuple[int, str, float]]] | None = None if found is None else {}
-    for uuid, pid, mib, name in found or []:
+    for uuid, pid, mib, name in (row for row in found or [] if len(row) == 4 and row[1].isdigit()):
         # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_*; nvidia-smi may show only `python`.
         with contextlib.suppress(OSError):
             name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") or name
