@@ -1298,10 +1298,25 @@ class EmbeddedHarborServer:
             proc.wait()
 
 
-# --- Sizing: the disk and GPU memory a run needs, from --model's config alone -----------------------------------------
+# --- Sizing: the disk and GPU memory a run needs, from --model's config alone (no weights are read) ------------------
+# The memory projection's constants, each from bench/results (docs/capacity.md derives the projection term by term).
+# Bytes per row token, per (hidden + intermediate) feature of the layer backward recomputes (full fine-tune / frozen
+# base) and per input feature of each linear LoRA adapts: fitted to every H200 peak on record, all within 2 %.
+RECOMPUTE_FULL, RECOMPUTE_FROZEN, LORA_INPUT = 20, 13, 6
+PUSH_STAGING = 2**30  # a push's bfloat16 chunk: 0.7-1.1 GiB over the trainer's peak, measured on an H200
+VLLM_PUSH_COPIES = 2  # vLLM loads a pushed tensor beside its share: cast to its dtype, and its loader's copy
+OUTSIDE_ALLOCATOR = 2**29  # what torch's allocator does not count (kernels, library handles): a cap leaves it free
+VLLM_BUFFERS = int(1.1 * 2**30)  # vLLM's beyond weights and KV cache: Qwen3-4B at 0.35 of an H200 (49.1-7.5-40.5 GiB)
+# What torch's caching allocator reserves beyond what it hands out (running out of memory and the cap act on reserved
+# memory): the largest gap on record, Qwen3-4B float32 at 32k rows (78.8 GiB reserved, 67.4 projected without it).
+ALLOCATOR_RESERVE = 0.17
+MEMORY_TOLERANCE = 0.05  # past the measured error: a projection this close to the limit warns
+PROMPT_TOKENS = 1500  # a rollout's first prompt, when a row is planned as prompt + turns x tokens (docs/capacity.md)
+
+
 @functools.cache
 def model_shape(model: str) -> tuple[int, str]:
-    """(parameters, checkpoint dtype) of --model, from its config alone: no weights are read."""
+    """(parameters, checkpoint dtype) of --model."""
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
@@ -1309,8 +1324,7 @@ def model_shape(model: str) -> tuple[int, str]:
 
 
 def lora_model(args: argparse.Namespace):
-    """--use-peft's model on the meta device, from --model's config alone (no weights are read): the modules PEFT
-    resolves --lora-target-modules to (its default for the architecture, all-linear), as training will."""
+    """--use-peft's model on the meta device: the modules PEFT resolves --lora-target-modules to, as training will."""
     from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
 
     with torch.device("meta"), warnings.catch_warnings():
@@ -1336,26 +1350,24 @@ def trainer_dtype(args: argparse.Namespace) -> str | None:
 
 
 class TrainerShape(NamedTuple):
-    """What the trainer holds for --model at --dtype: the sizes its checkpoints and its GPU memory follow from."""
     params: int  # every parameter of --model
     width: int  # bytes per weight at the trainer's dtype
     adapter: int  # trained LoRA adapter parameters (float32); 0 for a full fine-tune
-    adapted_inputs: int  # input features of the linears LoRA adapts, summed over one decoder layer
-    layers: int
-    hidden: int
-    intermediate: int
-    merged: int = 0  # parameters of the base weights LoRA adapts: the copies a merged push makes of them
-    largest: int = 0  # elements of the largest tensor a push sends (the embeddings or the LM head)
+    merged: int  # parameters of the base weights LoRA adapts: the copies a merged push makes of them
+    largest: int  # elements of the largest tensor a push sends (the embeddings or the LM head)
+    saved: int  # bytes per row token of the layer inputs gradient checkpointing keeps (at the weights' width)
+    recomputed: int  # bytes per row token of the layer backward recomputes
+    kv: int  # bytes per token of vLLM's bfloat16 KV cache
 
 
 def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
-    """From --model's config alone (no weights are read); None when it cannot be read, --dtype auto resolved, or
-    --lora-target-modules names no module of it (the LoRA targets row)."""
+    """None where --model's config cannot be read, --dtype auto is unresolved, or --lora-target-modules names no
+    module of it (the LoRA targets row)."""
     dtype = trainer_dtype(args)
     if dtype is None or model_shape_error(args) is not None:
         return None
-    config = AutoConfig.from_pretrained(args.model)
-    text = config.get_text_config()
+    text = AutoConfig.from_pretrained(args.model).get_text_config()
+    layers, hidden = text.num_hidden_layers, text.hidden_size
     adapter = adapted = merged = 0
     if args.use_peft:
         from peft.tuners.lora import LoraLayer
@@ -1365,130 +1377,37 @@ def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
         except ValueError:  # PEFT's NoMatchingPeftModuleError
             return None
         adapter = model.get_nb_trainable_parameters()[0]
-        layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-        adapted = sum(m.in_features for m in layers) // text.num_hidden_layers
-        merged = sum(m.get_base_layer().weight.numel() for m in layers)
-    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
-    return TrainerShape(model_shape(args.model)[0], torch.finfo(getattr(torch, dtype)).bits // 8, adapter, adapted,
-                        text.num_hidden_layers, text.hidden_size, intermediate, merged,
-                        text.hidden_size * max(text.vocab_size, intermediate))
-
-
-class CheckpointDisk(NamedTuple):
-    """Bytes a run writes into --output-dir: its checkpoints while it trains, the merged model (LoRA) at the end."""
-    each: int  # one checkpoint-N
-    kept: int  # how many the rotation keeps (--save-total-limit)
-    merged: int  # <output dir>/merged, written once at the end; 0 for a full fine-tune
-    peak: int  # the most the output dir holds at once
-
-
-def checkpoint_disk(args: argparse.Namespace, shape: TrainerShape) -> CheckpointDisk:
-    kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
-    if args.use_peft:
-        # transformers saves a PEFT model's adapter only, and torch's AdamW state (two moments) of the adapter.
-        each, merged = shape.adapter * 4 * 3, shape.params * shape.width
-    else:
-        # transformers saves the weights and torch's AdamW state (two moments) in the weights' dtype.
-        each, merged = shape.params * shape.width * 3, 0
-    return CheckpointDisk(each, kept, merged, (kept + 1) * each + merged)  # the oldest goes once the newest is whole
-
-
-# The trainer's peak memory per token of a packed row, beyond the layer inputs gradient checkpointing keeps, fitted to
-# every peak bench/gpu_capacity.py recorded on an H200 through TRL's loss path (gradient checkpointing, fused chunked LM
-# head, bf16 autocast, fused AdamW; tests/test_trainer_memory.py holds each within 2 % of the projection): one decoder
-# layer recomputed with its gradients costs these bytes per (hidden + intermediate) feature (measured 19.9 / 18.1 in a
-# Qwen3-4B full fine-tune at float32 / bfloat16; 12.5-13.1 over a frozen bfloat16 base of 8B-32B), and every linear LoRA
-# adapts these per input feature (5.9-6.0: PEFT's dropout copy, its mask and their gradient).
-RECOMPUTE_FULL, RECOMPUTE_FROZEN, LORA_INPUT = 20, 13, 6
-# The weight push's staging copies: CUDA-IPC pushes bfloat16 copies in 1 GiB chunks (0.7-1.1 GiB over the trainer's
-# peak, measured on an H200); no push stages more than the served weights. A merged LoRA push over CUDA IPC keeps
-# every merged copy until vLLM's /finish_weight_update instead (CudaIpcWeightTransfer.send_weights says why).
-PUSH_STAGING = 2**30
-# vLLM loading a pushed tensor allocates beside its own share of the card: the tensor cast to its dtype where the
-# dtypes differ, and its loader's working copy; up to this many copies of the largest pushed tensor at vLLM's dtype.
-VLLM_PUSH_COPIES = 2
-# What torch's caching allocator does not count on the trainer's GPU (kernels' code, library handles, NCCL's buffers):
-# a cap on the allocator has to leave it free.
-OUTSIDE_ALLOCATOR = 2**29
-# vLLM's own buffers beyond weights and KV cache (activations, CUDA graphs, sampler): Qwen3-4B at 0.35 of an H200 held
-# 7.5 GiB of weights and 40.5 GiB of KV cache of its 49.1 GiB.
-VLLM_BUFFERS = int(1.1 * 2**30)
-# What torch's caching allocator reserves beyond the bytes it hands out, as a share of the trainer's own parts (the
-# constants above are fitted to peak allocated memory, but running out of memory, and the per-process cap on a shared
-# card, act on reserved memory): freed blocks of one size are cached rather than reused for another, and the merged
-# copies of a CUDA-IPC push take new blocks beside the step's cached ones. Set by the largest gap on record: Qwen3-4B
-# float32 at 32k rows reserved 78.8 GiB over 67.4 projected (+16.8 %); LoRA's gaps are 1-8 % (H200, bench/results),
-# the quick start's 4.9 % (31.48 GiB reserved on one H100, its push included).
-ALLOCATOR_RESERVE = 0.17
-# Past the measured error, so a projection this close to the limit warns instead of passing.
-MEMORY_TOLERANCE = 0.05
-# The tokens a rollout starts with (system prompt + task) when a row is planned as prompt + turns x tokens per turn
-# (docs/capacity.md; the rig's mini-swe-agent prompt is ~1.1k).
-PROMPT_TOKENS = 1500
-
-
-def dtype_bytes(name: str) -> int:
-    """Bytes per element of a torch dtype by name ("bfloat16"); 2 where torch has no such dtype."""
-    dtype = getattr(torch, name, None)
-    return dtype.itemsize if isinstance(dtype, torch.dtype) else 2
-
-
-def longest_row(args: argparse.Namespace, max_model_len: int | None) -> int | None:
-    """Tokens one trainer rank forwards at most in a micro-batch: TRL packs rollouts into a row up to its token budget
-    (unset: vLLM's max_model_len, TRL's own default), or takes per_device_train_batch_size rollouts without one."""
-    budget = args.config.token_budget
-    if budget is not None and budget > 0:
-        return budget
-    if not max_model_len:
-        return None
-    return max_model_len if budget is None else args.config.per_device_train_batch_size * max_model_len
+        adapted_layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        adapted = sum(m.in_features for m in adapted_layers) // layers
+        merged = sum(m.get_base_layer().weight.numel() for m in adapted_layers)
+    intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
+    width = getattr(torch, dtype).itemsize
+    recomputed = (RECOMPUTE_FROZEN if adapter else RECOMPUTE_FULL) * (hidden + intermediate) + LORA_INPUT * adapted
+    head_dim = getattr(text, "head_dim", None) or hidden // text.num_attention_heads
+    kv = 2 * layers * getattr(text, "num_key_value_heads", text.num_attention_heads) * head_dim * 2  # K and V
+    return TrainerShape(model_shape(args.model)[0], width, adapter, merged, hidden * max(text.vocab_size, intermediate),
+                        layers * hidden * width, recomputed, kv)
 
 
 def trainer_peak(shape: TrainerShape, row: int, ranks: int = 1, fsdp: bool = False, backend: str | None = None,
                  served_width: int = 2) -> dict[str, int]:
     """Peak bytes torch's allocator reserves on one trainer GPU in an optimizer step over a `row`-token row, by part;
-    on a GPU vLLM shares (`backend` ipc), with what vLLM allocates beside its share while it loads a push of
-    `served_width`-byte weights.
-
-    Gradient checkpointing keeps every layer's input (at the weights' width: embeddings and norms run outside bf16
-    autocast) until backward, which frees them layer by layer while it adds that layer's gradients: the peak holds the
-    larger of the two, plus the layer being recomputed.
-    """
-    lora = shape.adapter > 0
+    on a GPU vLLM shares (`backend` ipc), with what vLLM allocates beside its share to load a push."""
+    lora, ipc = shape.adapter > 0, backend == "ipc"
     trained, width = (shape.adapter, 4) if lora else (shape.params, shape.width)  # PEFT trains float32 adapters
     shard = ranks if fsdp else 1  # FSDP shards weights, gradients and AdamW state; DDP gives every rank all of them
-    grads, saved = trained * width // shard, row * shape.layers * shape.hidden * shape.width
-    recompute = (RECOMPUTE_FROZEN if lora else RECOMPUTE_FULL) * (shape.hidden + shape.intermediate)
+    grads, saved = trained * width // shard, row * shape.saved
     parts = {"frozen base": shape.params * shape.width // shard if lora else 0,
-             # torch's AdamW keeps both moments in the weight's dtype
-             f"{'adapters' if lora else 'weights'} + AdamW": 3 * trained * width // shard,
+             f"{'adapters' if lora else 'weights'} + AdamW": 3 * trained * width // shard,  # both moments at width
+             # backward frees the saved inputs layer by layer as it adds that layer's gradients
              "gradients" if grads >= saved else "saved layer inputs": max(grads, saved),
-             # accelerate's DDP copies every gradient into its buckets (gradient_as_bucket_view off)
-             "DDP buckets": grads if ranks > 1 and not fsdp else 0,
-             "layer recomputed": row * (recompute + LORA_INPUT * shape.adapted_inputs),
-             "push staging": max(min(PUSH_STAGING, 2 * shape.params),
-                                 shape.merged * shape.width if lora and backend == "ipc" else 0)}
+             "DDP buckets": grads if ranks > 1 and not fsdp else 0,  # accelerate's DDP copies every gradient
+             "layer recomputed": row * shape.recomputed,
+             # a merged LoRA push over CUDA IPC keeps every merged copy until vLLM's /finish_weight_update
+             "push staging": max(min(PUSH_STAGING, 2 * shape.params), shape.merged * shape.width if ipc else 0)}
     parts["allocator reserve"] = int(ALLOCATOR_RESERVE * sum(parts.values()))
-    parts["vLLM's push copies"] = VLLM_PUSH_COPIES * shape.largest * served_width if backend == "ipc" else 0
+    parts["vLLM's push copies"] = VLLM_PUSH_COPIES * shape.largest * served_width if ipc else 0
     return {part: n for part, n in parts.items() if n}
-
-
-def longest_fitting_row(shape: TrainerShape, limit: int, ranks: int, fsdp: bool, upto: int, **push: Any) -> int:
-    low, high = 0, upto
-    while low < high:
-        mid = (low + high + 1) // 2
-        fits = sum(trainer_peak(shape, mid, ranks, fsdp, **push).values()) <= limit
-        low, high = (mid, high) if fits else (low, mid - 1)
-    return low
-
-
-def vllm_floor(args: argparse.Namespace, shape: TrainerShape, tokens: int) -> int:
-    """Bytes a vLLM serving --model needs at the least: bfloat16 weights, the KV cache of one `tokens`-long sequence and
-    VLLM_BUFFERS."""
-    text = AutoConfig.from_pretrained(args.model).get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_per_token = 2 * shape.layers * getattr(text, "num_key_value_heads", text.num_attention_heads) * head_dim * 2
-    return 2 * shape.params + tokens * kv_per_token + VLLM_BUFFERS
 
 
 def gib(n: float) -> str:
@@ -1984,80 +1903,73 @@ def check_lora_targets(pf: Preflight) -> None:
 
 def check_precision(pf: Preflight) -> None:
     args, dtype = pf.args, trainer_dtype(pf.args)
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and dtype not in (None, "float32"):
-        # accelerate's FSDP2 prepare upcasts trainable parameters to float32 after TRL has told vLLM their dtype,
-        # so every push would send other bytes than vLLM expects (fsdp_utils: "Upcast to fp32 master weights").
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if fsdp and dtype not in (None, "float32"):
+        # accelerate's FSDP2 prepare upcasts trainable parameters to float32 after TRL has told vLLM their dtype
+        # (fsdp_utils: "Upcast to fp32 master weights"), so every push would send other bytes than vLLM expects.
         pf.add("precision", FAIL, f"--dtype {args.dtype} under FSDP: accelerate upcasts the weights to float32 "
                f"after TRL announced them to vLLM as {dtype}, so weight pushes would not match",
                "--dtype float32 (FSDP keeps float32 weights anyway and computes in bf16)")
-    elif os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and args.use_peft:
+    elif fsdp and args.use_peft:
         # The merged push folds the adapter in per layer from local tensors (HarborGRPOTrainer._streaming_iter).
         pf.add("precision", FAIL, "--use-peft under FSDP: this script's merged push reads whole adapter tensors, "
                "which FSDP shards", "train LoRA on one trainer process (docs/capacity.md, LoRA), or without FSDP")
-    elif args.use_peft and dtype is not None:
-        # The trained tensors are the adapters, float32 whatever --dtype (PEFT's autocast_adapter_dtype).
-        half_step = 2.0 ** math.floor(math.log2(0.02)) * torch.finfo(torch.float32).eps / 2
-        pf.add("precision", PASS if args.learning_rate >= half_step else WARN,
-               f"LoRA: base weights {dtype}, frozen; adapters and their AdamW moments float32 (steps of "
-               f"~{args.learning_rate:g} land); each push rounds the folded-in base once to {dtype}, never the "
-               "trainer's copy")
     elif dtype in ("bfloat16", "float16", "float32"):
-        # An AdamW step moves a weight by about the learning rate. Below half the dtype's spacing at a typical
-        # weight (0.02, Qwen3's initializer range) the sum rounds back to the old weight: no update at all.
-        typical = 0.02
-        half_step = 2.0 ** math.floor(math.log2(typical)) * torch.finfo(getattr(torch, dtype)).eps / 2
+        # An AdamW step moves a weight by about the learning rate. Below half the dtype's spacing at a typical weight
+        # (0.02, Qwen3's initializer range) the sum rounds back to the old weight. PEFT's adapters are float32.
+        trained = "float32" if args.use_peft else dtype
+        half_step = 2.0 ** math.floor(math.log2(0.02)) * torch.finfo(getattr(torch, trained)).eps / 2
+        what = f"LoRA: float32 adapters on a frozen {dtype} base" if args.use_peft else f"{dtype} weights"
         if args.learning_rate < half_step:
-            pf.add("precision", WARN, f"{dtype} weights: an AdamW step moves a weight by ~--learning-rate "
-                   f"{args.learning_rate:g}, below half the {dtype} spacing at |w| = {typical} ({half_step:.1e}): "
+            pf.add("precision", WARN, f"{what}: an AdamW step moves a weight by ~--learning-rate "
+                   f"{args.learning_rate:g}, below half the {trained} spacing at |w| = 0.02 ({half_step:.1e}): "
                    "most updates round to no change and the run silently stops learning",
                    f"--dtype float32 (docs/capacity.md), or a learning rate well above {half_step:.0e}")
         else:
-            pf.add("precision", PASS, f"{dtype} weights: AdamW steps of ~{args.learning_rate:g} exceed half the "
-                   f"{dtype} spacing at |w| = {typical} ({half_step:.1e})")
+            pf.add("precision", PASS, f"{what}: AdamW steps of ~{args.learning_rate:g} exceed half the {trained} "
+                   f"spacing at |w| = 0.02 ({half_step:.1e})")
 
 
 def check_checkpoints(pf: Preflight) -> None:
-    args, shape, dtype = pf.args, pf.shape, trainer_dtype(pf.args)
+    args, shape = pf.args, pf.shape
     if (problem := model_shape_error(args)) is not None:
         pf.add("checkpoints", SKIP, f"size unknown: {problem}")
         return
     if not pf.writable or shape is None:  # the output dir's row, or a --lora-target-modules without a shape to size
         return
-    disk, free = checkpoint_disk(args, shape), shutil.disk_usage(args.output_dir).free
-    pf.plan["checkpoint_bytes"] = disk.each
-    written = f"{disk.kept} kept (--save-total-limit {args.save_total_limit}) + 1 being written"
-    if args.use_peft:
-        detail = (f"~{human_bytes(disk.each)} each ({shape.adapter / 1e6:.2f} M adapter params x 12 B: float32 "
-                  f"adapter + 2 AdamW moments); {written}, and the merged model at the end "
-                  f"({human_bytes(disk.merged)}) = {human_bytes(disk.peak)}; {human_bytes(free)} free in "
-                  f"{args.output_dir}")
-    else:
-        params = shape.params
-        count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
-        detail = (f"~{human_bytes(disk.each)} each ({count} params x {3 * shape.width} B: {dtype} weights + 2 AdamW "
-                  f"moments); {written} = {human_bytes(disk.peak)}; {human_bytes(free)} free in {args.output_dir}")
-    pf.add("checkpoints", WARN if free < disk.peak else PASS, detail,
-           "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
+    # transformers saves the trained tensors with torch's AdamW state (two moments) at their width: of a PEFT model,
+    # the float32 adapter alone, whose run writes the merged model once at the end.
+    count, width = (shape.adapter, 4) if args.use_peft else (shape.params, shape.width)
+    each, merged = 3 * count * width, shape.params * shape.width if args.use_peft else 0
+    kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
+    peak = (kept + 1) * each + merged  # the oldest goes once the newest is whole
+    free = shutil.disk_usage(args.output_dir).free
+    pf.plan["checkpoint_bytes"] = each
+    params = f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count / 1e6:.2f} M"
+    what = ("adapter params x 12 B: float32 adapter" if args.use_peft
+            else f"params x {3 * width} B: {trainer_dtype(args)} weights")
+    end = f", and the merged model at the end ({human_bytes(merged)})" if merged else ""
+    pf.add("checkpoints", WARN if free < peak else PASS,
+           f"~{human_bytes(each)} each ({params} {what} + 2 AdamW moments); {kept} kept (--save-total-limit "
+           f"{args.save_total_limit}) + 1 being written{end} = {human_bytes(peak)}; {human_bytes(free)} free in "
+           f"{args.output_dir}", "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
 
 
-def nvidia_smi(*query: str) -> str | None:
-    """What `nvidia-smi QUERY` prints; None when no nvidia-smi answers."""
+def nvidia_smi(query: str) -> list[list[str]] | None:
+    """nvidia-smi's answer to `--query-...=fields`, one list of fields a line; None when no nvidia-smi answers."""
     try:
-        return subprocess.run(["nvidia-smi", *query], capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
+    return [[field.strip() for field in line.split(",", query.count(","))] for line in out.splitlines() if line]
 
 
 def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
     """GPU uuid -> [(pid, command line, GiB)] of the compute processes nvidia-smi lists; None when it cannot."""
-    out = nvidia_smi("--query-compute-apps=gpu_uuid,pid,used_memory,process_name", "--format=csv,noheader,nounits")
-    if out is None:
-        return None
-    apps: dict[str, list[tuple[int, str, float]]] = {}
-    for line in out.splitlines():
-        uuid, pid, mib, name = ([*(x.strip() for x in line.split(",", 3))] + ["", "", "", ""])[:4]
-        if not pid.isdigit():
-            continue
+    found = nvidia_smi("--query-compute-apps=gpu_uuid,pid,used_memory,process_name")
+    apps: dict[str, list[tuple[int, str, float]]] | None = None if found is None else {}
+    for uuid, pid, mib, name in (row for row in found or [] if len(row) == 4 and row[1].isdigit()):
         # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_*; nvidia-smi may show only `python`.
         with contextlib.suppress(OSError):
             name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") or name
@@ -2066,312 +1978,221 @@ def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
     return apps
 
 
-def cpu_shares_cuda() -> bool:
-    """Whether a CPU trainer's push hands vLLM CUDA memory: torch shares none from CPU tensors (the CPU tests stand in
-    for it)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
-
-    return reduce_tensor(torch.zeros(1))[0] is rebuild_cuda_tensor
-
-
-def cpu_pushes_nccl() -> bool:
-    """Whether a CPU trainer can push to an nccl vLLM: NCCL moves GPU memory only, and torch builds it only with CUDA
-    (the CPU tests stand in for NCCL over HTTP)."""
-    return torch.distributed.is_nccl_available()
-
-
 # The oldest NVIDIA driver (Linux) that runs a build of each CUDA major version: NVIDIA's CUDA minor version
-# compatibility table (CUDA 13.x: >= 580; CUDA 13.0 GA shipped with 580.65.06). torch 2.13's wheels are CUDA 13.0.
+# compatibility table (CUDA 13.0 GA shipped with 580.65.06). torch 2.13's wheels are CUDA 13.0.
 CUDA_DRIVER_FLOOR = {13: 580, 12: 525, 11: 450}
 
 
-def nvidia_driver() -> str | None:
-    """The NVIDIA driver's version as nvidia-smi reports it (e.g. 580.65.06); None when no nvidia-smi answers."""
-    out = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader") or ""
-    return next((line.strip() for line in out.splitlines() if line.strip()), None)
-
-
-def driver_problem() -> tuple[str, str]:
-    """Why this process sees no CUDA device, as far as the driver tells: (what was found, the fix)."""
-    cuda, driver = torch.version.cuda, nvidia_driver()
-    floor = CUDA_DRIVER_FLOOR.get(int(cuda.split(".")[0])) if cuda else None
-    need = f"NVIDIA driver >= {floor} (Linux), the oldest that runs CUDA {cuda}" if floor else "a newer NVIDIA driver"
-    if driver is None:
-        return "no NVIDIA driver answers (nvidia-smi is missing or fails)", f"install {need}"
-    if floor and driver.split(".")[0].isdigit() and int(driver.split(".")[0]) < floor:
-        return f"the NVIDIA driver is {driver}, too old for CUDA {cuda}", f"install {need}"
-    return (f"the NVIDIA driver is {driver}{f', new enough for CUDA {cuda},' if floor else ''} but no GPU is visible "
-            "to this process",
-            "make the trainer's GPU visible: CUDA_VISIBLE_DEVICES=<its index or GPU-UUID, nvidia-smi -L>")
-
-
 def check_trainer_gpu(pf: Preflight) -> None:
-    if not torch.cuda.is_available():
-        visible = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
-        if torch.version.cuda:
-            found, fix = driver_problem()
-            pf.add("trainer GPU", FAIL, f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees "
-                   f"no CUDA device ({visible}): {found}", fix)
-        elif torch.version.hip:
-            pf.add("trainer GPU", FAIL, f"torch {torch.__version__} is built for ROCm {torch.version.hip} but sees "
-                   f"no GPU ({visible})", "make the trainer's GPU visible (HIP_VISIBLE_DEVICES), or check its driver")
-        elif pf.ipc and not cpu_shares_cuda():
-            pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer (torch {torch.__version__}, "
-                   f"{visible}), but vLLM serves the ipc backend: CUDA IPC cannot push weights from a CPU trainer",
-                   "run this script on vLLM's GPU (CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>) with a CUDA "
-                   "build of torch (`uv run` installs it from this script's header)")
-        elif not pf.ipc and not cpu_pushes_nccl():
-            pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer (torch {torch.__version__}, a CPU "
-                   f"build; {visible}): it pushes its weights to vLLM over NCCL, which moves GPU memory only",
-                   "run this script on a GPU of its own with a CUDA build of torch (`uv run` installs it from this "
-                   f"script's header; it needs NVIDIA driver >= {CUDA_DRIVER_FLOOR[13]})")
+    from torch.distributed import is_nccl_available
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    built, cuda = f"torch {torch.__version__}", torch.version.cuda
+    visible = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus and cuda:
+        floor = CUDA_DRIVER_FLOOR[int(cuda.split(".")[0])]
+        driver = (nvidia_smi("--query-gpu=driver_version") or [[""]])[0][0]
+        fix = f"install NVIDIA driver >= {floor} (Linux), the oldest that runs CUDA {cuda}"
+        if not driver:
+            found = "no NVIDIA driver answers (nvidia-smi is missing or fails)"
+        elif driver.split(".")[0].isdigit() and int(driver.split(".")[0]) < floor:
+            found = f"the NVIDIA driver is {driver}, too old for CUDA {cuda}"
         else:
+            found = f"the NVIDIA driver is {driver}, new enough for CUDA {cuda}, but no GPU is visible to this process"
+            fix = "make the trainer's GPU visible: CUDA_VISIBLE_DEVICES=<its index or GPU-UUID, nvidia-smi -L>"
+        pf.add("trainer GPU", FAIL, f"{built} is built for CUDA {cuda} but sees no CUDA device ({visible}): {found}",
+               fix)
+    elif not gpus and torch.version.hip:
+        pf.add("trainer GPU", FAIL, f"{built} is built for ROCm {torch.version.hip} but sees no GPU ({visible})",
+               "make the trainer's GPU visible (HIP_VISIBLE_DEVICES), or check its driver")
+    elif not gpus:
+        # NCCL moves GPU memory only, and torch shares no CUDA memory from CPU tensors (the CPU tests stand in for both)
+        pushes = reduce_tensor(torch.zeros(1))[0] is rebuild_cuda_tensor if pf.ipc else is_nccl_available()
+        how = ("vLLM serves the ipc backend: CUDA IPC cannot push weights from a CPU trainer" if pf.ipc
+               else "it pushes its weights to vLLM over NCCL, which moves GPU memory only")
+        where = ("on vLLM's GPU (CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>)" if pf.ipc
+                 else "on a GPU of its own")
+        if pushes:
             pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
-        return
-    fix = ("give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, CUDA_VISIBLE_DEVICES=1 "
-           "for this script (NCCL refuses two ranks on one device)")
-    apps = pf.gpu_apps
-    # The trainer's ranks on this node take the first visible GPUs, one each.
-    local = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()) if apps is not None else 0
-    held, shared, free = [], [], []
-    for index in range(local):
-        props = torch.cuda.get_device_properties(index)
-        label = f"cuda:{index} ({props.name})"
-        others = [a for a in apps.get(str(props.uuid).lower().removeprefix("gpu-"), []) if a[0] != os.getpid()]
-        vllm = [a for a in others if "vllm" in a[1].lower()]
-        if vllm:
-            held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
-        elif others:
-            shared.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
         else:
-            free.append(label)
-    if pf.ipc:
-        pf.add("trainer GPU", PASS, f"{'; '.join(held + shared) or ', '.join(free) or 'cuda:0'}: shared with vLLM on "
-               "purpose (the ipc backend pushes weights within one card)")
-    elif held:
-        pf.add("trainer GPU", FAIL, "; ".join(held), fix)
-    elif apps is None:
-        # No nvidia-smi (or none that answers): memory is all that can be seen, and only for rank 0's own GPU.
-        free_b, total_b = torch.cuda.mem_get_info(0)
-        pf.add("trainer GPU", WARN if (total_b - free_b) / total_b > 0.25 else PASS,
-               f"cuda:0: {(total_b - free_b) / 2**30:.1f} of {total_b / 2**30:.0f} GiB already in use (nvidia-smi "
-               "unavailable, so who holds it is unknown)", fix)
-    elif shared:
-        pf.add("trainer GPU", WARN, "; ".join(shared) + "; the trainer needs the whole card", fix)
+            pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer ({built}, a CPU build; {visible}): "
+                   f"{how}", f"run this script {where} with a CUDA build of torch (`uv run` installs it from this "
+                   f"script's header; it needs NVIDIA driver >= {CUDA_DRIVER_FLOOR[13]})")
+    elif pf.gpu_apps is None:
+        pf.add("trainer GPU", PASS if pf.ipc else WARN, "cuda:0: nvidia-smi is unavailable, so whether vLLM or another "
+               "process shares it is unknown", "give vLLM and the trainer different GPUs (NCCL refuses two ranks on "
+               "one device)")
     else:
-        pf.add("trainer GPU", PASS, f"{', '.join(free)}: no other process on it")
-
-
-def serving_processes(port: int) -> set[int]:
-    """The processes holding a socket listening on `port`, and all their descendants: vLLM's API server holds the
-    port, its engine core (the process on the GPU) is a child of it."""
-    inodes = {f"socket:[{inode}]" for _, inode in listening_sockets(port)}
-    parents, tree = {}, set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile, or another user's
-            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
-                tree.add(int(proc.name))
-    while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
-        tree |= grown
-    return tree
+        held, busy, mine = [], [], []
+        for index in range(min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpus)):  # one GPU a local rank
+            props = torch.cuda.get_device_properties(index)
+            mine.append(label := f"cuda:{index} ({props.name})")
+            others = [a for a in pf.gpu_apps.get(str(props.uuid).lower().removeprefix("gpu-"), [])
+                      if a[0] != os.getpid()]
+            vllm = [a for a in others if "vllm" in a[1].lower()]
+            if vllm:
+                held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
+            elif others:
+                busy.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
+        if pf.ipc:
+            pf.add("trainer GPU", PASS, f"{'; '.join(held + busy) or ', '.join(mine)}: shared with vLLM on purpose "
+                   "(the ipc backend pushes weights within one card)")
+        elif held or busy:
+            pf.add("trainer GPU", FAIL if held else WARN, "; ".join(held or busy) + "; the trainer needs the card",
+                   "give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, "
+                   "CUDA_VISIBLE_DEVICES=1 for this script (NCCL refuses two ranks on one device)")
+        else:
+            pf.add("trainer GPU", PASS, f"{', '.join(mine)}: no other process on it")
 
 
 def check_same_gpu(pf: Preflight) -> None:
     """CUDA IPC maps memory of one physical GPU: vLLM must run on the trainer's own, by UUID (indices differ with
     CUDA_VISIBLE_DEVICES)."""
     if not torch.cuda.is_available():
-        pf.add("same GPU", SKIP, "no CUDA device visible: CUDA IPC needs the trainer on vLLM's GPU" if cpu_shares_cuda()
-               else "not compared: the trainer has no CUDA device (the trainer GPU row)")
+        pf.add("same GPU", SKIP, "not compared: the trainer has no CUDA device (the trainer GPU row)")
         return
-    apps, vllm_url = pf.gpu_apps, pf.args.vllm_url
-    props = torch.cuda.get_device_properties(0)
+    props, apps = torch.cuda.get_device_properties(0), pf.gpu_apps
     mine = str(props.uuid).lower().removeprefix("gpu-")
-    fix = "start this script with vLLM's GPU visible first: CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>"
+    vllm = {uuid: pids for uuid, procs in (apps or {}).items()
+            if (pids := [a[0] for a in procs if "vllm" in a[1].lower() and a[0] != os.getpid()])}
     if apps is None:
-        pf.add("same GPU", WARN, "nvidia-smi is unavailable, so which GPU vLLM runs on is unknown: a push from "
-               "another GPU fails at the first step", fix)
+        unknown = "nvidia-smi is unavailable"
+    elif (mine.startswith("mig-") or " MIG " in f" {props.name} " or any(uuid.startswith("mig-") for uuid in apps)
+          or os.environ.get("CUDA_VISIBLE_DEVICES", "").upper().startswith("MIG-")):
+        # A MIG instance's UUID is not its parent GPU's, and nvidia-smi lists processes by either.
+        unknown = f"cuda:0 ({props.name}) is a MIG instance ({props.uuid}), which UUIDs cannot match to vLLM's"
+    elif not vllm:
+        unknown = "no process of vLLM's shows on any GPU here (nvidia-smi)"
+    elif mine in vllm:
+        pf.add("same GPU", PASS, f"cuda:0 ({props.name}, GPU-{mine}) is vLLM's GPU (pid {vllm[mine][0]})")
         return
-    mig = (mine.startswith("mig-") or " MIG " in f" {props.name} "
-           or os.environ.get("CUDA_VISIBLE_DEVICES", "").upper().startswith("MIG-"))
-    if mig or any(uuid.startswith("mig-") for uuid in apps):
-        # A MIG instance's UUID is not its parent GPU's, and nvidia-smi lists processes by either: no comparison
-        # of the two tells whether vLLM shares the trainer's instance.
-        pf.add("same GPU", WARN, f"cuda:0 ({props.name}) is a MIG instance ({str(props.uuid)}): whether vLLM runs "
-               "on the same GPU instance could not be verified; a push from another fails at the first step",
-               "start vLLM and this script with the same CUDA_VISIBLE_DEVICES=MIG-<UUID, nvidia-smi -L>")
-        return
-    port = url_port(vllm_url)
-    server = serving_processes(port) - {os.getpid()}
-    how = f"the processes serving port {port}"
-    vllm = {uuid: [a for a in procs if a[0] in server] for uuid, procs in apps.items()}
-    if not any(vllm.values()):  # its processes unseen here (another user's, another PID namespace): by name
-        how = "the processes named vllm"
-        vllm = {uuid: [a for a in procs if "vllm" in a[1].lower() and a[0] != os.getpid()]
-                for uuid, procs in apps.items()}
-    vllm = {uuid: procs for uuid, procs in vllm.items() if procs}
-    if mine in vllm:
-        pf.add("same GPU", PASS, f"cuda:0 ({props.name}, GPU-{mine}) is vLLM's GPU ({how}: pid {vllm[mine][0][0]})")
-    elif vllm:
-        theirs = next(iter(vllm))
-        pf.add("same GPU", FAIL, f"vLLM runs on GPU-{theirs} ({how}: pid {vllm[theirs][0][0]}), the trainer on "
-               f"cuda:0 = GPU-{mine}: CUDA IPC reaches only the same physical GPU",
-               f"start this script with CUDA_VISIBLE_DEVICES=GPU-{theirs}")
     else:
-        pf.add("same GPU", WARN, "no process of vLLM's shows on any GPU here (nvidia-smi), so whether it runs on "
-               f"cuda:0 (GPU-{mine}) is unknown: a push from another GPU fails at the first step", fix)
+        theirs = next(iter(vllm))
+        pf.add("same GPU", FAIL, f"vLLM runs on GPU-{theirs} (pid {vllm[theirs][0]}), the trainer on cuda:0 = "
+               f"GPU-{mine}: CUDA IPC reaches only the same physical GPU",
+               f"start this script with CUDA_VISIBLE_DEVICES=GPU-{theirs}")
+        return
+    pf.add("same GPU", WARN, f"{unknown}, so whether vLLM runs on cuda:0 could not be verified: a push from another "
+           "GPU fails at the first step", "start vLLM and this script with the same CUDA_VISIBLE_DEVICES=GPU-<UUID> "
+           "(MIG-<UUID> under MIG; nvidia-smi -L)")
 
 
 def check_attention_kernel(pf: Preflight) -> None:
-    """TRL's own kernel loader, now: the hub download and the GPU check take seconds here, not a failed first step
-    after weights, the first weight push and the first paid sandbox group. TRL caches the module it returns."""
+    """TRL's tree attention, called once now: a kernel that cannot be fetched or has no build for this GPU fails here
+    in seconds, not at the first step after the weights load, the first push and the first paid group."""
     if not torch.cuda.is_available():
         pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
                "(kernels-community/flash-attn3), which has no CPU build")
         return
-    repo = "kernels-community/aiter-flash-attn (version 2)" if torch.version.hip else \
-        "kernels-community/flash-attn3 (version 1)"
     props = torch.cuda.get_device_properties(0)
     gpu = f"{props.name} (compute capability {props.major}.{props.minor}), torch {torch.__version__}"
-    gpu_fix = ("TRL 1.16's AsyncGRPO attends only through this kernel: train on a GPU it is built for "
-              "(FlashAttention-3: Hopper, compute capability 9.0, e.g. H100 / H200)")
-    try:
-        # private: TRL's own kernel loader, which caches what it loads; no public call loads it
-        kernel = packing._flash_attn()
-    except ImportError as exc:
-        pf.add("attention kernel", FAIL, f"TRL's tree attention imports `kernels`: {exc}",
-               "install it: pip install 'kernels>=0.17.2,<0.19' (`uv run` installs it from this script's header)")
-        return
-    except Exception as exc:  # noqa: BLE001 - classified below; the message is the library's
-        message = redact(f"{type(exc).__name__}: {exc}")[:600]
-        offline = (os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
-                   or re.search(r"offline|connect|resolve|timed? ?out|local snapshot|cached", message, re.I))
-        if offline:
-            pf.add("attention kernel", FAIL, f"{repo} could not be fetched from the hub: {message}",
-                   "pre-fetch it into a hub cache on a machine with internet and the same torch and CUDA: "
-                   "HF_HOME=/shared/hf python -c \"from kernels import get_kernel; "
-                   "get_kernel('kernels-community/flash-attn3', version=1)\"; then train with HF_HOME=/shared/hf "
-                   "HF_HUB_OFFLINE=1")
-        else:
-            pf.add("attention kernel", FAIL, f"{repo} has no build for this GPU and torch: {gpu}: {message}", gpu_fix)
-        return
-    try:  # one tiny causal call: a build that loads can still refuse this GPU when it runs
-        q = torch.randn(8, 2, 64, device="cuda:0", dtype=torch.bfloat16)
-        cu = torch.tensor([0, 8], device="cuda:0", dtype=torch.int32)
-        kernel.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, causal=True)
+    q = torch.randn(1, 2, 8, 64, device="cuda:0", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], device="cuda:0", dtype=torch.int32)
+    try:  # TRL loads its kernel from the hub at the first call, and caches it
+        packing.tree_attention(None, q, q, q, None, tree_kv_index=torch.arange(8, device="cuda:0"),
+                               tree_cu_seqlens_q=cu, tree_cu_seqlens_k=cu, tree_max_seqlen_q=8, tree_max_seqlen_k=8)
         torch.cuda.synchronize(0)
-    except Exception as exc:  # noqa: BLE001
-        pf.add("attention kernel", FAIL, f"{repo} loaded but cannot run on {gpu}: {type(exc).__name__}: {exc}"[:700],
-               gpu_fix)
+    except Exception as exc:  # noqa: BLE001 - `kernels` missing, the hub unreachable, no build for this GPU: all fail
+        pf.add("attention kernel", FAIL, redact(f"TRL's tree attention (kernels-community/flash-attn3) cannot run on "
+                                                f"{gpu}: {type(exc).__name__}: {exc}")[:700],
+               "TRL 1.16's AsyncGRPO attends only through it: train on a Hopper GPU (H100 / H200) with `kernels` "
+               "installed (`uv run` does); offline, pre-fetch it on a machine with internet, the same torch and CUDA "
+               "(HF_HOME=/shared/hf python -c \"from kernels import get_kernel; get_kernel('kernels-community/"
+               "flash-attn3', version=1)\") and train with HF_HOME=/shared/hf HF_HUB_OFFLINE=1")
         return
-    pf.add("attention kernel", PASS, f"{repo} loaded and ran on {gpu}")
-
-
-def gpu_memory() -> tuple[int, int] | None:
-    """(free, total) bytes on the trainer's GPU (rank 0's cuda:0) as the driver reports them; None without one."""
-    try:
-        return torch.cuda.mem_get_info(0)
-    except (AssertionError, RuntimeError):  # torch built without CUDA asserts; with CUDA but no device it raises
-        return None
+    pf.add("attention kernel", PASS, f"kernels-community/flash-attn3 (version 1) loaded and ran on {gpu}")
 
 
 def check_trainer_memory(pf: Preflight) -> None:
-    """The trainer's projected peak on its GPU against what it may use there, before any weights load or paid rollout.
-
-    On a GPU vLLM shares (the ipc backend) that is what vLLM's --gpu-memory-utilization leaves of the card's total:
-    vLLM sized its KV cache and activations to that share at start and need not hold all of it at every moment. The
-    plan then caps the trainer there (train() applies it), so it never grows into vLLM's share, whether or not its
-    peak could be projected.
-    """
-    check, args, shape, served = "trainer memory", pf.args, pf.shape, pf.served or {}
-    memory = gpu_memory()
-    backend, utilisation = served.get("weight_transfer"), served.get("gpu_memory_utilization")
-    shared = backend == "ipc"
-    facts, cap, room, limit, total = {}, "", "", 0, 0  # facts: what training takes, unless the row FAILs
-    if memory is not None:
-        free, total = memory
-        usable = min(free, int(total * (1 - utilisation))) if shared and utilisation else free
-        limit = usable - OUTSIDE_ALLOCATOR
-        vllm = (f"; vLLM shares this GPU and sized itself to --gpu-memory-utilization {utilisation:g} x {gib(total)} = "
-                f"{gib(utilisation * total)}" if shared and utilisation else "")
-        room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}{vllm}; "
-                f"{gib(OUTSIDE_ALLOCATOR)} left for what torch's allocator does not count)")
-    served_width = dtype_bytes(str(served.get("dtype") or "bfloat16"))
-    push = {"backend": backend, "served_width": served_width}
+    """The trainer's projected peak against what it may use on its GPU, before any weights load or paid rollout. On a
+    GPU vLLM shares (ipc) that is what vLLM's --gpu-memory-utilization leaves of the card (vLLM sized itself to that
+    share at start, whatever it holds now); the plan caps the trainer there (train() applies it), whether or not its
+    peak could be projected."""
+    args, shape, served = pf.args, pf.shape, pf.served or {}
+    share = served.get("gpu_memory_utilization") if pf.ipc else None
+    ranks, fsdp = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    peak = functools.partial(trainer_peak, ranks=ranks, fsdp=fsdp, backend=served.get("weight_transfer"),
+                             served_width=getattr(torch, str(served.get("dtype")), torch.bfloat16).itemsize)
+    row = served.get("max_model_len")  # TRL packs rollouts into rows up to its token budget, unset: this
+    if (args.config.token_budget or 0) > 0:
+        row = args.config.token_budget
+    elif args.config.token_budget is not None and row:  # no packing: per_device_train_batch_size rollouts a row
+        row *= args.config.per_device_train_batch_size
+    parts = peak(shape, row or 0) if shape else {}
+    need, beside = sum(parts.values()), parts.get("vLLM's push copies", 0)
+    try:
+        free, total = torch.cuda.mem_get_info(0)
+    except (AssertionError, RuntimeError):  # torch built without CUDA asserts; with CUDA but no device it raises
+        free = total = 0
+    limit = (min(free, int(total * (1 - share))) if share else free) - OUTSIDE_ALLOCATOR
+    vllm = (f"; vLLM shares this GPU and sized itself to --gpu-memory-utilization {share:g} x {gib(total)} = "
+            f"{gib(share * total)}" if share else "")
+    room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}{vllm}; "
+            f"{gib(OUTSIDE_ALLOCATOR)} left for what torch's allocator does not count)")
     # vLLM's own copies while it loads a push come out of the same room: the trainer is capped below them.
-    beside = trainer_peak(shape, 0, **push).get("vLLM's push copies", 0) if shape else 0
-    if memory is not None and shared:
-        facts["gpu_memory_fraction"] = fraction = min(1.0, max(0, limit - beside + torch.cuda.memory_reserved(0))
-                                                      / total)
-        cap = (f"; the trainer is capped there at train start (torch.cuda.set_per_process_memory_fraction "
-               f"{fraction:.3f}{f', less {gib(beside)} for vLLM to load a push' if beside else ''}), so it never "
-               "grows into vLLM's share")
-    if shape is None:
-        pf.add(check, SKIP, f"not projected: {model_shape_error(args) or '--dtype auto: its dtype is unknown'}"
-               + (f"; {room}{cap}" if cap else ""))
-        pf.plan |= facts
-        return
-    row = longest_row(args, served.get("max_model_len"))
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
-    parts = trainer_peak(shape, row or 0, ranks, fsdp, **push)
-    need = sum(parts.values())
-    dtype = trainer_dtype(args)
-    what = (f"LoRA r {args.lora_r} on a frozen {dtype} base" if shape.adapter else f"full fine-tune, {dtype} weights")
+    fraction = min(1.0, max(0, limit - beside + torch.cuda.memory_reserved(0)) / total) if total and share else 0
+    cap = (f"; the trainer is capped there at train start (torch.cuda.set_per_process_memory_fraction {fraction:.3f}"
+           f"{f', less {gib(beside)} for vLLM to load a push' if beside else ''}), so it never grows into vLLM's "
+           "share") if fraction else ""
+    what = (f"LoRA r {args.lora_r} on a frozen {trainer_dtype(args)} base" if args.use_peft
+            else f"full fine-tune, {trainer_dtype(args)} weights")
     what += f", FSDP over {ranks} ranks" if fsdp and ranks > 1 else f", {ranks} DDP ranks" if ranks > 1 else ""
     budget = "--token-budget" if (args.config.token_budget or 0) > 0 else "vLLM's max_model_len"
     rows = (f"a {row:,}-token row (TRL packs rollouts up to its token budget, here {budget})" if row
             else "the static part alone (the row is TRL's token budget, vLLM's max_model_len: unknown)")
     detail = f"projected peak {gib(need)} for {rows}, {what}: {', '.join(f'{k} {gib(n)}' for k, n in parts.items())}"
-    if memory is None:
-        pf.add(check, SKIP, f"{detail}; no GPU to compare against (the trainer runs on CPU)")
-        return
-    if need > limit:
-        pf.add(check, FAIL, f"{detail} > {room}: training would run out of GPU memory at its first step, after a "
-               "group of paid rollouts", memory_fixes(args, shape, need, limit, total, row or 0, ranks, fsdp,
-                                                      utilisation if shared else None, **push))
+    tight = shape and total and need * (1 + MEMORY_TOLERANCE) > limit
+    fix = memory_fixes(args, shape, peak, need, limit, total, row or 0, share) if tight else ""
+    if shape is None:
+        status, detail = SKIP, (f"not projected: {model_shape_error(args) or '--dtype auto: its dtype is unknown'}"
+                                + (f"; {room}{cap}" if cap else ""))
+    elif not total:
+        status, detail = SKIP, f"{detail}; no GPU to compare against (the trainer runs on CPU)"
+    elif need > limit:
+        pf.add("trainer memory", FAIL, f"{detail} > {room}: training would run out of GPU memory at its first step, "
+               "after a group of paid rollouts", fix)
         return  # nothing trains
-    pf.plan |= facts
-    if row is None:
-        pf.add(check, SKIP, f"{detail}: fits {room}; the activations are projected once vLLM answers{cap}")
-        return
-    if need * (1 + MEMORY_TOLERANCE) > limit:
-        pf.add(check, WARN, f"{detail}, within {MEMORY_TOLERANCE:.0%} of {room}{cap}",
-               memory_fixes(args, shape, need, limit, total, row, ranks, fsdp, utilisation if shared else None,
-                            **push))
+    elif row is None:
+        status, detail = SKIP, f"{detail}: fits {room}; the activations are projected once vLLM answers{cap}"
+    elif tight:
+        status, detail = WARN, f"{detail}, within {MEMORY_TOLERANCE:.0%} of {room}{cap}"
     else:
-        pf.add(check, PASS, f"{detail}; fits {room}, {gib(limit - need)} to spare{cap}")
+        status, detail = PASS, f"{detail}; fits {room}, {gib(limit - need)} to spare{cap}"
+    pf.add("trainer memory", status, detail, fix)
+    if fraction:
+        pf.plan["gpu_memory_fraction"] = fraction
 
 
-def memory_fixes(args: argparse.Namespace, shape: TrainerShape, need: int, limit: int, total: int, row: int,
-                 ranks: int, fsdp: bool, utilisation: float | None, **push: Any) -> str:
-    """The concrete ways to bring the projection under `limit` with MEMORY_TOLERANCE to spare, each with its
-    numbers."""
-    fixes = []
-    fits = longest_fitting_row(shape, int(limit / (1 + MEMORY_TOLERANCE)), ranks, fsdp, row, **push)
-    tokens = fits // 1024 * 1024
+def memory_fixes(args: argparse.Namespace, shape: TrainerShape, peak: Callable[..., dict[str, int]], need: int,
+                 limit: int, total: int, row: int, share: float | None) -> str:
+    """The ways to bring the projection under `limit` with MEMORY_TOLERANCE to spare, each with its numbers."""
+    fixes, low, high = [], 0, row
+    while low < high:  # the longest row that fits
+        mid = (low + high + 1) // 2
+        fits = sum(peak(shape, mid).values()) * (1 + MEMORY_TOLERANCE) <= limit
+        low, high = (mid, high) if fits else (low, mid - 1)
+    tokens = low // 1024 * 1024
     if tokens >= PROMPT_TOKENS + args.max_completion_length:
         steps = min(args.agent_step_limit, (tokens - PROMPT_TOKENS) // args.max_completion_length)
         where = (f"--token-budget {tokens}" if (args.config.token_budget or 0) > 0
                  else f"serve vLLM with --max-model-len {tokens} (TRL's token budget)")
         fixes.append(f"{where} and pass --agent-step-limit {steps}, so a rollout of {args.max_completion_length}-token "
-                     f"turns still fits (the longest row with {MEMORY_TOLERANCE:.0%} to spare: {fits:,} tokens)")
-    if utilisation:
-        lower = math.floor((utilisation - (need * (1 + MEMORY_TOLERANCE) - limit) / total) * 100) / 100
-        least = vllm_floor(args, shape, row)
+                     f"turns still fits (the longest row with {MEMORY_TOLERANCE:.0%} to spare: {low:,} tokens)")
+    if share:
+        lower = math.floor((share - (need * (1 + MEMORY_TOLERANCE) - limit) / total) * 100) / 100
+        least = 2 * shape.params + row * shape.kv + VLLM_BUFFERS  # vLLM's bfloat16 weights, one row's KV, buffers
         if lower * total >= least:
-            fixes.append(f"restart vLLM with --gpu-memory-utilization {lower:.2f} (now {utilisation:g}; it needs "
+            fixes.append(f"restart vLLM with --gpu-memory-utilization {lower:.2f} (now {share:g}; it needs "
                          f"{least / total:.2f} at the least: {gib(least)} for its weights, one {row:,}-token "
                          "sequence's KV cache and its buffers)")
     if not args.use_peft:
         lora = trainer_shape(argparse.Namespace(**{**vars(args), "use_peft": True, "dtype": "bfloat16"}))
-        peak = lora and sum(trainer_peak(lora, row, ranks, fsdp, **push).values())
-        if peak and peak * (1 + MEMORY_TOLERANCE) <= limit:
-            fixes.append(f"--use-peft (LoRA r {args.lora_r} on a bfloat16 base: {gib(peak)} projected for this row)")
-    return "; or ".join(fixes) or ("train on a GPU with more free memory, or shard the trainer with FSDP "
-                                   "(slurm/README.md)")
+        lora_peak = sum(peak(lora, row).values()) if lora else 0
+        if lora_peak and lora_peak * (1 + MEMORY_TOLERANCE) <= limit:
+            fixes.append(f"--use-peft (LoRA r {args.lora_r} on a bfloat16 base: {gib(lora_peak)} projected for this "
+                         "row)")
+    return "; or ".join(fixes) or "train on a GPU with more free memory, or shard it with FSDP (slurm/README.md)"
 
 
 def check_credentials(pf: Preflight) -> None:

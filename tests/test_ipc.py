@@ -173,6 +173,51 @@ def test_under_mig_the_same_gpu_row_says_it_could_not_verify_instead_of_failing(
     assert "could not be verified" in detail and "MIG-<UUID" in fix, (detail, fix)
 
 
+@pytest.mark.parametrize("backend, vllm_on, trainer_gpu, same_gpu", [
+    ("nccl", "mine", "FAIL", None), ("ipc", "mine", "PASS", "PASS"), ("ipc", "other", "PASS", "FAIL")])
+def test_the_gpu_rows_find_vllm_by_its_process_title_on_the_gpus_nvidia_smi_lists(monkeypatch, tmp_path, backend,
+                                                                                 vllm_on, trainer_gpu, same_gpu):
+    # vLLM titles its GPU processes VLLM::EngineCore; nvidia-smi lists them by GPU UUID, under whatever name it sees.
+    from types import SimpleNamespace
+
+    mine, other = "0e1de000-0000-4000-8000-0000000000a1", "0e1de000-0000-4000-8000-0000000000b2"
+    engine = subprocess.Popen(["bash", "-c", 'exec -a "VLLM::EngineCore" sleep 60'])
+    smi = tmp_path / "nvidia-smi"
+    uuid = mine if vllm_on == "mine" else other
+    smi.write_text(f"#!/bin/sh\n[ \"$1\" = --query-compute-apps=gpu_uuid,pid,used_memory,process_name ] && "
+                   f"echo 'GPU-{uuid}, {engine.pid}, 40960, python'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    script = load_script()
+    pf = script.Preflight(script.parse_args(["--vllm-url", "http://127.0.0.1:8000"]))
+    pf.served = {"weight_transfer": backend}
+    monkeypatch.setattr(script.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(script.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(script.torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(uuid=mine, name="NVIDIA H100 80GB HBM3"))
+    try:
+        script.check_trainer_gpu(pf)
+        if pf.ipc:
+            script.check_same_gpu(pf)
+    finally:
+        engine.kill()
+        engine.wait()
+    rows = {check: (status, detail, fix) for check, status, detail, fix in pf.rows}
+    status, detail, fix = rows["trainer GPU"]
+    assert status == trainer_gpu, rows
+    if vllm_on == "mine":
+        assert f"cuda:0 (NVIDIA H100 80GB HBM3) is vLLM's: pid {engine.pid} holds 40.0 GiB" in detail, detail
+    if backend == "nccl":
+        assert "give vLLM and the trainer different GPUs" in fix and "same GPU" not in rows, rows
+    elif same_gpu == "PASS":
+        assert rows["same GPU"][:2] == ("PASS", f"cuda:0 (NVIDIA H100 80GB HBM3, GPU-{mine}) is vLLM's GPU (pid "
+                                                f"{engine.pid})"), rows
+    else:
+        status, detail, fix = rows["same GPU"]
+        assert status == "FAIL" and detail.startswith(f"vLLM runs on GPU-{other} (pid {engine.pid})"), detail
+        assert fix == f"start this script with CUDA_VISIBLE_DEVICES=GPU-{other}", fix
+
+
 # ---- the pushes, driven as TRL's trainer drives a WeightTransferProtocol
 @pytest.fixture(autouse=True)
 def accelerate_state():

@@ -98,9 +98,6 @@ PRIVATE = [
             used_by=(f"{TRAINER}:AsyncGRPOTrainer._sync_weight_merged: send_weights\\(self._streaming_iter\\(\\)\\)",)),
     Private("trl.experimental.async_grpo.weight_transfer:WeightTransferClient", "_CONTROL_TIMEOUT",
             "seconds TRL allows pause, resume and the reload set-up", "number"),
-    Private("trl.experimental.async_grpo.packing", "_flash_attn", "() -> the attention kernel, cached", "function",
-            (), used_by=("trl.experimental.async_grpo.packing:tree_attention: "
-                         "_flash_attn\\(\\).flash_attn_varlen_func",)),
     # transformers' Trainer.
     Private("transformers:Trainer", "_inner_training_loop", "the training loop, given resume_from_checkpoint by name",
             "method", ("self", "batch_size", "args", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
