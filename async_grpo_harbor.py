@@ -2910,9 +2910,10 @@ PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass
 
 def measure_pass_rates(args: argparse.Namespace, plan: dict[str, Any], tasks: list[dict[str, Any]],
                        step: int | None = None) -> list[dict[str, Any]]:
-    """--eval-k rollouts of every task (and harness) through training's session code: a PASS_RATE_COLUMNS row for each
-    measured in full. Cut short by a stop request (seen within a poll), --max-consecutive-failures or Ctrl-C, which a
-    held-out eval (`step`, on each record) raises again; --eval-only keeps what finished."""
+    """--eval-k rollouts of every task (and harness) through training's session code: a row for each measured in full,
+    written to pass_rates.csv, or appended to eval.csv for a held-out eval (`step`, on each row and record). Cut short
+    by a stop request (seen within a poll), --max-consecutive-failures or Ctrl-C, which a held-out eval raises again;
+    --eval-only keeps what finished."""
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     factory = HarborSessionFactory(
         **session_settings(args), sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
@@ -2966,8 +2967,16 @@ def measure_pass_rates(args: argparse.Namespace, plan: dict[str, Any], tasks: li
         progress.close()
     if stop_reason:
         print(redact(f"[eval] stopped early ({stop_reason})"), file=sys.stderr, flush=True)
-    return [pass_rate_row(units[unit][0], args.sandbox, sessions)
+    rows = [{"step": step, **pass_rate_row(units[unit][0], args.sandbox, sessions)}
             for unit, sessions in enumerate(outcomes) if len(sessions) == args.eval_k]
+    path = Path(args.output_dir) / ("pass_rates.csv" if step is None else "eval.csv")
+    new = step is None or not path.is_file()
+    with open(path, "w" if new else "a", newline="") as f:
+        writer = csv.DictWriter(f, ([] if step is None else ["step"]) + PASS_RATE_COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+    return rows
 
 
 def pass_rate_row(prompt: dict[str, Any], sandbox: str, sessions: list[HarborSession]) -> dict[str, Any]:
@@ -2980,16 +2989,6 @@ def pass_rate_row(prompt: dict[str, Any], sandbox: str, sessions: list[HarborSes
             "harness": prompt["harbor_harness"], "sandbox": sandbox, "k": len(sessions),
             "solved": sum(r.solved for r in scored), "pass_rate": mean("solved"), "mean_reward": mean("reward"),
             "mean_turns": mean("n_turns"), "mean_wall_s": mean("wall_s"), "errors": len(sessions) - len(scored)}
-
-
-def write_pass_rates(path: Path, rows: list[dict[str, Any]], step: int | None = None) -> None:
-    """pass_rates.csv, or (`step`) one held-out eval's rows appended to eval.csv."""
-    new = step is None or not path.is_file()
-    with open(path, "w" if new else "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=PASS_RATE_COLUMNS if step is None else ["step", *PASS_RATE_COLUMNS])
-        if new:
-            writer.writeheader()
-        writer.writerows(rows if step is None else [{"step": step, **r} for r in rows])
 
 
 def tally(rows: list[dict[str, Any]]) -> tuple[int, int, int]:
@@ -3009,7 +3008,6 @@ def held_out_eval(args: argparse.Namespace, plan: dict[str, Any], step: int) -> 
     One cut short (a stop request, --max-consecutive-failures) logs no eval/pass_rate: a rate over another task set
     compares with no other step's."""
     rows = measure_pass_rates(args, plan, plan["eval_tasks"], step)
-    write_pass_rates(Path(args.output_dir) / "eval.csv", rows, step)
     solved, scored, errors = tally(rows)
     planned = len(plan["eval_tasks"]) * len(args.harnesses)
     metrics = {f"eval/{task}/pass_rate": rate for task, rate in pass_rates_by_task(rows).items() if rate is not None}
@@ -3073,11 +3071,8 @@ def curate(args: argparse.Namespace, source: str) -> None:
         "unmeasured (every rollout unscorable)": len(rates) - len(measured),
         f"groups with reward variance, G={g}, all measured tasks": signal(list(measured)),
         f"groups with reward variance, G={g}, curated tasks": signal(inside),
-        "written": f"{out} ({len(inside)} tasks)",
+        "written": f"{out} ({len(inside)} tasks)" if inside else f"{out}, listing none: --tasks @{out} is refused",
     })
-    if not inside:
-        print(f"warning: no task has a pass rate inside {low:g}-{high:g}; {out} lists none, so --tasks @{out} "
-              "would be refused", file=sys.stderr)
 
 
 def run_measure(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None = None) -> int:
@@ -3088,7 +3083,6 @@ def run_measure(args: argparse.Namespace, plan: dict[str, Any], server: Embedded
     print_hyperparameters(args, plan, server)
     rows = measure_pass_rates(args, plan, plan["tasks"])
     path = Path(args.output_dir) / "pass_rates.csv"
-    write_pass_rates(path, rows)
     solved, scored, errors = tally(rows)
     units = len(plan["tasks"]) * len(args.harnesses)
     print_table("pass rates (solved: verifier reward > 0; errors: unscorable rollouts, left out of the rate)", {
