@@ -2910,11 +2910,9 @@ PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass
 
 def measure_pass_rates(args: argparse.Namespace, plan: dict[str, Any], tasks: list[dict[str, Any]],
                        step: int | None = None) -> list[dict[str, Any]]:
-    """--eval-k rollouts of every task (and harness) through training's session code: a row for each measured in full,
-    written to pass_rates.csv, or appended to eval.csv for a held-out eval (`step`, on each row and record). Cut short
-    by a stop request (seen within a poll), --max-consecutive-failures or Ctrl-C, which a held-out eval raises again;
-    --eval-only keeps what finished."""
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    """--eval-k rollouts of every task (and harness) through training's session code -> pass_rates.csv, or eval.csv for
+    a held-out eval (`step`, on each row and record), a row per task measured in full. Cut short by a stop request,
+    --max-consecutive-failures or Ctrl-C, which a held-out eval raises again; --eval-only keeps what finished."""
     factory = HarborSessionFactory(
         **session_settings(args), sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
         # A token-capturing engine samples exactly as in training; any other (a hosted model) at the same temperature.
@@ -3075,11 +3073,8 @@ def curate(args: argparse.Namespace, source: str) -> None:
     })
 
 
-def run_measure(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None = None) -> int:
-    """--eval-only and --curate: no trainer, no weights, no torch."""
-    if args.curate:
-        curate(args, args.curate)
-        return 0
+def run_measure(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
+    """--eval-only, with a bare --curate after it: no trainer, no weights, no torch."""
     print_hyperparameters(args, plan, server)
     rows = measure_pass_rates(args, plan, plan["tasks"])
     path = Path(args.output_dir) / "pass_rates.csv"
@@ -4135,14 +4130,14 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         STOP.resume_command = resume_command(sys.argv[1:] if argv is None else argv, args.output_dir)
         if args.curate:  # from a pass_rates.csv: no server, no engine
-            return run_measure(args, {})
+            curate(args, args.curate)
+            return 0
     except UsageError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     rank = launch_rank()
-    # Under `accelerate launch` / torchrun rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on
-    # the main process only); the others take its plan and run name. Training's process group exists already
-    # (HarborGRPOConfig); this one carries Python objects.
+    # Rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on the main process only); the others
+    # take its plan through this group of their own (training's is HarborGRPOConfig's).
     group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
              if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
