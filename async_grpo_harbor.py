@@ -463,23 +463,21 @@ def redact(text: str) -> str:
 
 # --- Tasks ------------------------------------------------------------------------------------------------------------
 def read_task_spec(spec: str) -> list[tuple[str, str]]:
-    """`0-3,7,name` or `@file` -> [(entry, where it came from)], so errors can name the line. Checks all that needs
-    no server; whether each entry names a task is `resolve_tasks`' job."""
+    """`0-3,7,name` or `@file` -> [(entry, where it came from)], so an error can name the file's line. Needs no
+    server; whether an entry names a served task is `resolve_tasks`' job."""
+    lines, empty = [(spec, "--tasks")], "--tasks is empty; give indices, ranges or names, e.g. 0-49,57,hello-world"
     if spec.startswith("@"):
         path = Path(spec[1:])
         try:
-            lines = path.read_text().splitlines()
+            text = path.read_text()
         except OSError as exc:
             raise UsageError(f"--tasks {spec}: cannot read {path} ({exc.strerror}); give a file of task "
                              "indices, ranges or names, one per line") from None
-        entries = [(part.strip(), f"{path}:{number}") for number, line in enumerate(lines, 1)
-                   for part in line.split("#", 1)[0].split(",") if part.strip()]
-        if not entries:
-            raise UsageError(f"--tasks {spec}: {path} lists no tasks (only blank lines and # comments)")
-    else:
-        entries = [(part.strip(), "--tasks") for part in spec.split(",") if part.strip()]
-        if not entries:
-            raise UsageError("--tasks is empty; give indices, ranges or names, e.g. 0-49,57,hello-world")
+        lines = [(line.split("#", 1)[0], f"{path}:{number}") for number, line in enumerate(text.splitlines(), 1)]
+        empty = f"--tasks {spec}: {path} lists no tasks (only blank lines and # comments)"
+    entries = [(part.strip(), where) for line, where in lines for part in line.split(",") if part.strip()]
+    if not entries:
+        raise UsageError(empty)
     for entry, where in entries:
         if (m := re.fullmatch(r"(\d+)-(\d+)", entry)) and int(m[1]) > int(m[2]):
             raise UsageError(f"{where}: range {entry!r} is backwards; write {m[2]}-{m[1]}")
@@ -487,40 +485,29 @@ def read_task_spec(spec: str) -> list[tuple[str, str]]:
 
 
 def resolve_tasks(entries: list[tuple[str, str]], catalogue: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Map each entry to a catalogue task; any entry that names no task is an error, never silently skipped."""
-    by_name = {}
-    for task in catalogue:
-        by_name.setdefault(task["task_name"], task)
-        by_name.setdefault(task["task_id"], task)
+    """Each entry's catalogue tasks; an entry that names no task is an error, never skipped."""
+    by_name = {key: task for task in reversed(catalogue) for key in (task["task_id"], task["task_name"])}
     n = len(catalogue)
     chosen = []
     for entry, where in entries:
-        if m := re.fullmatch(r"(\d+)(?:-(\d+))?", entry):
-            indices = range(int(m[1]), int(m[2] or m[1]) + 1)
-        elif entry in by_name:
-            chosen.append(by_name[entry])
-            continue
-        else:
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", entry)
+        if m is None and entry not in by_name:
             close = difflib.get_close_matches(entry, list(by_name), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise UsageError(f"{where}: no task named {entry!r} in the served split ({n} tasks){hint}")
-        if bad := [i for i in indices if i >= n]:
-            raise UsageError(f"{where}: task index {bad[0]} is out of range: the served split has {n} tasks "
-                             f"(0-{n - 1})")
-        chosen += [catalogue[i] for i in indices]
+        if m is None:
+            chosen.append(by_name[entry])
+        elif (last := int(m[2] or m[1])) >= n:
+            raise UsageError(f"{where}: task index {last} is out of range: the served split has {n} tasks (0-{n - 1})")
+        else:
+            chosen += catalogue[int(m[1]):last + 1]
     return chosen
 
 
 def task_rows(tasks: list[dict[str, Any]], split: str, harnesses: list[str]) -> list[dict[str, Any]]:
-    """One dataset row per task and harness: every task once per harness per pass over the rows, the harness changing
-    from one row to the next.
-
-    A row is a GRPO group (TRL repeats it for all its generations), so a group never mixes harnesses and its
-    advantages compare like with like; shifting the assignment each pass keeps a task from always meeting the same
-    harness when the task count is a multiple of the harness count. The task's identity rides in the prompt message
-    because that is all TRL hands the session factory: the `seed` it passes is a group counter that differs per epoch
-    and restarts at 0 on resume.
-    """
+    """One dataset row, a GRPO group (one task, one harness: its advantages compare like with like), per task and
+    harness; the harness shifts each pass, so a task does not always meet the same one. The task rides in the prompt:
+    TRL hands the session factory nothing else (its `seed` is a group counter that restarts on resume)."""
     return [{"prompt": [{"role": "user", "content": f"[{t['task_name']}] {t.get('instruction', '')[:2000]}",
                          "harbor_split": split, "harbor_task_index": int(t["index"]),
                          "harbor_task_name": t["task_name"], "harbor_harness": harness}]}
@@ -1150,33 +1137,23 @@ def session_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 # --- Reward -----------------------------------------------------------------------------------------------------------
 class RolloutScore(NamedTuple):
-    """What one rollout brings to its group's rewards: how correct it was, and how few turns it took."""
-
     correctness: float  # the verifier's reward
     efficiency: float  # 1 - turns / --agent-step-limit, in [0, 1]
 
 
 def harbor_reward(outcome: Any, *, step_limit: int) -> RolloutScore | None:
-    """TRL's per-rollout reward hook: the rollout's score, or None when it could not be scored (left out of the group
-    baseline). The reward TRL trains on needs the whole group; `shape_group_rewards` makes it."""
-    r = outcome.env_reward
-    if r is None:
+    """TRL's per-rollout reward hook: None when unscorable (left out of the group baseline). The reward TRL trains on
+    needs the whole group: `shape_group_rewards`."""
+    if outcome.env_reward is None:
         return None
     turns = len(outcome.trace) or outcome.tool_call_count
-    return RolloutScore(float(r), max(0.0, 1.0 - turns / step_limit))
+    return RolloutScore(float(outcome.env_reward), max(0.0, 1.0 - turns / step_limit))
 
 
 def shape_group_rewards(scores: list[RolloutScore | None], efficiency_weight: float) -> list[float | None]:
-    """One group's rewards: correctness, plus an efficiency bonus that can only order rollouts of equal correctness.
-
-    TRL normalises every group, A = (reward - mean) / (std + 1e-8), which erases any scale: in a group whose rollouts
-    all solve, a bonus of 1.05 vs 1.07 would come out as advantages of about +-1, as large as a pass/fail split. So
-    the bonus exists only in groups that mix correctness levels, and is sized by the group's smallest step between
-    two levels (`gap`): reward = c + w * gap * efficiency for solved rollouts (c > 0), c otherwise. With w < 1 no
-    bonus reaches the next level, and, since one std divides the whole group, efficiency moves an advantage by at
-    most w times what one correctness step moves it. Unsolved rollouts get no bonus: giving up early never pays.
-    A group of one correctness level gets its plain rewards, all equal: zero variance, kept out of training.
-    """
+    """c + w * gap * efficiency for solved rollouts (c > 0), c otherwise; gap: the group's smallest step between two
+    correctness levels, 0 in a group of one level. TRL's per-group normalisation erases scale, so a bonus in an
+    all-solved group would become advantages as large as a pass/fail split (docs/reward.md)."""
     levels = sorted({s.correctness for s in scores if s is not None})
     gap = min((b - a for a, b in zip(levels, levels[1:])), default=0.0)
     return [None if s is None else s.correctness + (efficiency_weight * gap * s.efficiency if s.correctness > 0 else 0)
@@ -1184,8 +1161,7 @@ def shape_group_rewards(scores: list[RolloutScore | None], efficiency_weight: fl
 
 
 def zero_variance(rewards: list[float | None]) -> bool:
-    """All scorable rewards of a group exactly equal: TRL gives every one of them advantage 0, so it teaches nothing.
-    Exact equality on purpose: any difference, however small, is scaled up to unit variance by the normalisation."""
+    """Exactly equal, on purpose: the normalisation scales any difference, however small, up to unit variance."""
     return len({r for r in rewards if r is not None}) <= 1
 
 
@@ -2622,43 +2598,37 @@ PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass
                      "mean_wall_s", "errors"]
 
 
-def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
-                       llm: dict[str, Any], label: str = "group", step: int | None = None,
-                       keep_on_interrupt: bool = True) -> list[dict[str, Any]]:
-    """--eval-k rollouts of every task (under every harness), through the session code training uses. Solved: the
-    verifier's reward (after --reward-key) is > 0, as OpenEnv's `result.solved` reads it (partial credit counts;
-    mean_reward says how much). Unscorable rollouts are errors, left out of the pass rate as out of a GRPO baseline.
-
-    Cut short by --max-consecutive-failures, by a stop request during training (seen within a poll), or by Ctrl-C:
-    the rollouts in flight are abandoned and the tasks measured in full are returned; Ctrl-C is raised again unless
-    `keep_on_interrupt` (--eval-only keeps what finished). `step`: a held-out eval's, on each record."""
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+def measure_pass_rates(args: argparse.Namespace, plan: dict[str, Any], tasks: list[dict[str, Any]],
+                       step: int | None = None) -> list[dict[str, Any]]:
+    """--eval-k rollouts of every task (and harness) through training's session code -> pass_rates.csv, or eval.csv for
+    a held-out eval (`step`, on each row and record), a row per task measured in full. Cut short by a stop request,
+    --max-consecutive-failures or Ctrl-C, which a held-out eval raises again; --eval-only keeps what finished."""
     factory = HarborSessionFactory(
         **session_settings(args), sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
         # A token-capturing engine samples exactly as in training; any other (a hosted model) at the same temperature.
-        eval_sampling=None if llm.get("capture_level") == "tokens" else {"temperature": args.temperature, "top_p": 1.0},
-        record_path=os.path.join(args.output_dir, "eval_rollouts.jsonl"), label=label,
-        record_fields=None if step is None else {"step": step})
-    units = task_rows(tasks, split, args.harnesses)
+        eval_sampling=(None if plan["llm"].get("capture_level") == "tokens"
+                       else {"temperature": args.temperature, "top_p": 1.0}),
+        record_path=os.path.join(args.output_dir, "eval_rollouts.jsonl"),
+        label="group" if step is None else "held-out eval", record_fields=None if step is None else {"step": step})
+    units = [row["prompt"] for row in task_rows(tasks, plan["split"], args.harnesses)]
     outcomes: list[list[HarborSession]] = [[] for _ in units]
     progress = tqdm(total=len(units) * args.eval_k, unit="rollout", dynamic_ncols=True, file=sys.stderr)
-    solved = scored = done = 0
 
     def run(unit: int) -> tuple[int, HarborSession]:
-        session = factory.create(units[unit]["prompt"], unit)
+        session = factory.create(units[unit], unit)
         try:
             session.wait_for_completion()
-            if not session._client.closed:
+            if not session._client.closed:  # closed by a stop: abandoned, no outcome
                 factory.record_outcome(session)
             return unit, session
         finally:
             session.close()
 
-    def stop_requested() -> str | None:  # during training a stop request only takes note (StopRequest): seen here
+    def stop_requested() -> str | None:  # during training a signal only takes note (StopRequest): seen here
         return f"stopped by {STOP.signal_name}" if STOP.deferred and STOP.signal_name is not None else None
 
-    interrupted, stop_reason = None, stop_requested()  # one already under way: no sandbox is started for nothing
-    pool = ThreadPoolExecutor(max_workers=args.max_inflight, thread_name_prefix="harbor-eval")  # --max-inflight at once
+    stop_reason = stop_requested()  # one already under way: no sandbox is started for nothing
+    pool = ThreadPoolExecutor(max_workers=args.max_inflight, thread_name_prefix="harbor-eval")
     running = set() if stop_reason else {pool.submit(run, unit) for unit in range(len(units))
                                          for _ in range(args.eval_k)}
     try:
@@ -2667,204 +2637,146 @@ def measure_pass_rates(args: argparse.Namespace, split: str, tasks: list[dict[st
             for future in finished:
                 try:
                     unit, session = future.result()
+                    outcomes[unit].append(session)
                 except RolloutsFailing as exc:  # record_outcome: --max-consecutive-failures reached
                     stop_reason = str(exc)
-                    continue
-                outcomes[unit].append(session)
-                scored += session.failure is None
-                solved += session.failure is None and bool(session.result.solved)
-                done += len(outcomes[unit]) == args.eval_k
-                progress.set_postfix_str(f"tasks {done}/{len(units)}, solved "
-                                         f"{f'{solved / scored:.0%}' if scored else '-'}", refresh=False)
                 progress.update(1)
             if stop_reason is None and running:
                 stop_reason = stop_requested()
-    except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C; SIGTERM before training
-        stop_reason, interrupted = "interrupted", exc
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM before training
+        stop_reason = "interrupted"
+        if step is not None:
+            raise
     finally:
-        if stop_reason is not None:  # release the server's slots, keep what finished
-            pool.shutdown(wait=False, cancel_futures=True)  # before the sessions close: the queued rollouts never start
+        if stop_reason is not None:  # the queued rollouts never start; those in flight release their server slots
+            pool.shutdown(wait=False, cancel_futures=True)
             factory.close_sessions()
         pool.shutdown(wait=True, cancel_futures=True)
         progress.close()
-    rows = [pass_rate_row(units[unit]["prompt"][0], args.sandbox, sessions)
-            for unit, sessions in enumerate(outcomes) if len(sessions) == args.eval_k]
     if stop_reason:
-        print(redact(f"[eval] stopped early ({stop_reason}); {len(rows)} of {len(units)} tasks fully measured"),
-              file=sys.stderr, flush=True)
-    if interrupted is not None and not keep_on_interrupt:
-        raise interrupted
+        print(redact(f"[eval] stopped early ({stop_reason})"), file=sys.stderr, flush=True)
+    rows = [{"step": step, **pass_rate_row(units[unit][0], args.sandbox, sessions)}
+            for unit, sessions in enumerate(outcomes) if len(sessions) == args.eval_k]
+    path = Path(args.output_dir) / ("pass_rates.csv" if step is None else "eval.csv")
+    new = step is None or not path.is_file()
+    with open(path, "w" if new else "a", newline="") as f:
+        writer = csv.DictWriter(f, ([] if step is None else ["step"]) + PASS_RATE_COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
     return rows
 
 
 def pass_rate_row(prompt: dict[str, Any], sandbox: str, sessions: list[HarborSession]) -> dict[str, Any]:
     scored = [s.result for s in sessions if s.failure is None]
-    solved = sum(r.solved for r in scored)
 
-    def mean(values):
-        return round(sum(values) / len(values), 4) if values else ""
+    def mean(field: str) -> float | str:
+        return round(sum(getattr(r, field) for r in scored) / len(scored), 4) if scored else ""
 
     return {"task": prompt["harbor_task_name"], "index": prompt["harbor_task_index"],
-            "harness": prompt["harbor_harness"], "sandbox": sandbox, "k": len(sessions), "solved": solved,
-            "pass_rate": mean([r.solved for r in scored]), "mean_reward": mean([r.reward for r in scored]),
-            "mean_turns": mean([r.n_turns for r in scored]), "mean_wall_s": mean([r.wall_s for r in scored]),
-            "errors": len(sessions) - len(scored)}
+            "harness": prompt["harbor_harness"], "sandbox": sandbox, "k": len(sessions),
+            "solved": sum(r.solved for r in scored), "pass_rate": mean("solved"), "mean_reward": mean("reward"),
+            "mean_turns": mean("n_turns"), "mean_wall_s": mean("wall_s"), "errors": len(sessions) - len(scored)}
 
 
-def write_pass_rates(path: Path, rows: list[dict[str, Any]], columns: list[str] = PASS_RATE_COLUMNS,
-                     append: bool = False) -> None:
-    new = not (append and path.is_file())
-    with open(path, "w" if new else "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
+def tally(rows: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """(solved, scored, errors) over `rows`, measured or read from a CSV."""
+    errors = sum(int(r["errors"]) for r in rows)
+    return sum(int(r["solved"]) for r in rows), sum(int(r["k"]) for r in rows) - errors, errors
 
 
-EVAL_COLUMNS = ["step", "task", "index", "harness", "k", "solved", "pass_rate", "mean_reward", "errors"]
+def pass_rates_by_task(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Task -> pass rate over its scorable rollouts under every harness; None when none was scorable."""
+    tallies = {task: tally([r for r in rows if r["task"] == task]) for task in dict.fromkeys(r["task"] for r in rows)}
+    return {task: solved / scored if scored else None for task, (solved, scored, _) in tallies.items()}
 
 
 def held_out_eval(args: argparse.Namespace, plan: dict[str, Any], step: int) -> dict[str, float]:
     """--eval-tasks on the weights of optimizer step `step` (0: before training): eval.csv rows, eval/* metrics.
-
-    An eval cut short (a stop request, --max-consecutive-failures) writes the tasks it measured in full, and logs
-    eval/tasks_measured below eval/tasks and no eval/pass_rate: a rate over another task set than the planned one
-    compares with no other step's. Ctrl-C stops the run, as anywhere in training."""
+    One cut short (a stop request, --max-consecutive-failures) logs no eval/pass_rate: a rate over another task set
+    compares with no other step's."""
+    rows = measure_pass_rates(args, plan, plan["eval_tasks"], step)
+    solved, scored, errors = tally(rows)
     planned = len(plan["eval_tasks"]) * len(args.harnesses)
-    rows = measure_pass_rates(args, plan["split"], plan["eval_tasks"], plan["llm"], label="held-out eval", step=step,
-                              keep_on_interrupt=False)
-    write_pass_rates(Path(args.output_dir) / "eval.csv", [{"step": step, **r} for r in rows], EVAL_COLUMNS,
-                     append=True)
-    scored = sum(r["k"] - r["errors"] for r in rows)
-    solved = sum(r["solved"] for r in rows)
-    errors = sum(r["errors"] for r in rows)
     metrics = {f"eval/{task}/pass_rate": rate for task, rate in pass_rates_by_task(rows).items() if rate is not None}
     metrics |= {"eval/tasks": planned, "eval/tasks_measured": len(rows)}
-    rate = f"{solved / scored:.2f}" if scored else "-"
+    units = "tasks" if len(args.harnesses) == 1 else "task-harness pairs"
+    rate = f"{solved / scored:.2f} ({solved}/{scored})" if scored else "- (0/0)"
     if len(rows) < planned:
-        units = "tasks" if len(args.harnesses) == 1 else "task-harness pairs"
         say(f"[harbor] eval at step {step} cut short: {len(rows)} of {planned} held-out {units} measured in full, "
-            f"pass rate {rate} ({solved}/{scored}) over those alone, not comparable with other steps: no "
-            f"eval/pass_rate; {errors} errors (eval.csv)")
+            f"pass rate {rate} over those alone, not comparable with other steps: no eval/pass_rate; {errors} errors")
         return metrics
     if scored:
         metrics["eval/pass_rate"] = solved / scored
-        metrics["eval/mean_reward"] = sum(r["mean_reward"] * (r["k"] - r["errors"]) for r in rows
-                                          if r["k"] > r["errors"]) / scored
-    say(f"[harbor] eval at step {step}: pass rate {rate} ({solved}/{scored}) on {len(plan['eval_tasks'])} held-out "
-        f"tasks, {errors} errors (eval.csv)")
+        metrics["eval/mean_reward"] = sum((r["mean_reward"] or 0) * (r["k"] - r["errors"]) for r in rows) / scored
+    say(f"[harbor] eval at step {step}: pass rate {rate} on {len(plan['eval_tasks'])} held-out tasks, {errors} errors "
+        "(eval.csv)")
     return metrics
 
 
 def whole_eval(entry: dict[str, Any]) -> bool:
     """A log entry of a held-out eval that measured every planned task."""
-    if "eval/tasks" in entry:
-        return entry.get("eval/tasks_measured") == entry["eval/tasks"]
-    return "eval/pass_rate" in entry  # logged before evals counted their tasks
+    return "eval/tasks" in entry and entry.get("eval/tasks_measured") == entry["eval/tasks"]
 
 
 def eval_budget_s(args: argparse.Namespace, tasks: int) -> float:
-    """How long a held-out eval of `tasks` tasks may take: its rollouts run --max-inflight at a time, each within its
-    rollout budget, after waiting up to --harbor-retry-window for a full or restarting server."""
+    """A held-out eval's rollouts run --max-inflight at a time, each within its rollout budget, after waiting up to
+    --harbor-retry-window for a full or restarting server."""
     waves = math.ceil(tasks * len(args.harnesses) * args.eval_k / args.max_inflight)
     return waves * (rollout_budget_s(args.agent_timeout) + args.harbor_retry_window)
 
 
-def read_pass_rates(path: str) -> list[dict[str, Any]]:
+def curate(args: argparse.Namespace, source: str) -> None:
+    """Write the tasks of a pass_rates.csv whose pass rate lies inside --band as a --tasks file; print what the band
+    does to the signal: the expected fraction of GRPO groups of G whose rewards vary, 1 - p^G - (1-p)^G."""
     try:
-        with open(path, newline="") as f:
+        with open(source, newline="") as f:
             rows = list(csv.DictReader(f))
     except OSError as exc:
-        raise UsageError(f"--curate {path}: cannot read it ({exc.strerror}); give a pass_rates.csv written by "
+        raise UsageError(f"--curate {source}: cannot read it ({exc.strerror}); give a pass_rates.csv written by "
                          "--eval-only, or a bare --curate to measure first") from None
     missing = {"task", "k", "solved", "errors"} - set(rows[0] if rows else {})
     if not rows or missing:
-        raise UsageError(f"--curate {path}: not a pass_rates.csv written by --eval-only "
+        raise UsageError(f"--curate {source}: not a pass_rates.csv written by --eval-only "
                          f"({'no rows' if not rows else 'no column ' + ', '.join(sorted(missing))})")
-    return rows
-
-
-def pass_rates_by_task(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Task -> pass rate over all its scorable rollouts (pooled across harnesses); None when none was scorable."""
-    counts: dict[str, list[int]] = {}
-    for row in rows:
-        solved, scored = counts.setdefault(row["task"], [0, 0])
-        counts[row["task"]] = [solved + int(row["solved"]), scored + int(row["k"]) - int(row["errors"])]
-    return {task: solved / scored if scored else None for task, (solved, scored) in counts.items()}
-
-
-def signal_fraction(rates: list[float], group_size: int) -> float:
-    """Expected fraction of GRPO groups whose rewards are not all equal: P(a group of G mixes solves and fails)."""
-    return sum(1 - p ** group_size - (1 - p) ** group_size for p in rates) / len(rates) if rates else float("nan")
-
-
-def print_pass_rates(rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        print("\nno task was fully measured\n", flush=True)
-        return
-    print("\npass rates (solved = verifier reward > 0; errors are unscorable rollouts, left out of the rate)")
-    header = ["task", "harness", "k", "solved", "pass_rate", "mean_reward", "mean_turns", "mean_wall_s", "errors"]
-    widths = {h: max(len(h), *(len(str(r[h])) for r in rows)) for h in header}
-    print("  " + "  ".join(f"{h:<{widths[h]}}" for h in header))
-    for r in rows:
-        print("  " + "  ".join(f"{r[h]!s:<{widths[h]}}" for h in header))
-    scored = sum(int(r["k"]) - int(r["errors"]) for r in rows)
-    solved = sum(int(r["solved"]) for r in rows)
-    print(f"  {len(rows)} tasks, {sum(int(r['k']) for r in rows)} rollouts, {solved}/{scored} solved, "
-          f"{sum(int(r['errors']) for r in rows)} errors\n", flush=True)
-
-
-def curate(args: argparse.Namespace, rows: list[dict[str, Any]], source: str) -> Path:
-    """Write the tasks whose pass rate lies inside --band as a --tasks file; print what the band does to the signal."""
-    low, high = args.band
+    (low, high), g = args.band, args.num_generations
     rates = pass_rates_by_task(rows)
     measured = {t: p for t, p in rates.items() if p is not None}
     inside = [t for t, p in measured.items() if low <= p <= high]
     out = Path(args.curated_tasks or os.path.join(args.output_dir, "curated_tasks.txt"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        f"# Learnable tasks: pass rate in [{low:g}, {high:g}] (solved sometimes, not always).\n"
-        f"# Source: {source}\n# Written: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by async_grpo_harbor.py "
-        f"--curate; use it as --tasks @{out}\n" + "".join(f"{t}\n" for t in inside))
-    g = args.num_generations
+    out.write_text(f"# Learnable tasks: pass rate in [{low:g}, {high:g}] (solved sometimes, not always).\n"
+                   f"# Source: {source}\n# Written: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by "
+                   f"async_grpo_harbor.py --curate; use it as --tasks @{out}\n" + "".join(f"{t}\n" for t in inside))
+
+    def signal(tasks: list[str]) -> str:
+        return f"{sum(1 - rates[t] ** g - (1 - rates[t]) ** g for t in tasks) / len(tasks):.1%}" if tasks else "-"
+
     print_table(f"curate (band {low:g}-{high:g})", {
         "below band (never or rarely solved)": sum(p < low for p in measured.values()),
         "inside band (kept)": len(inside),
         "above band (always or nearly always solved)": sum(p > high for p in measured.values()),
         "unmeasured (every rollout unscorable)": len(rates) - len(measured),
-        f"groups with reward variance, G={g}, all measured tasks":
-            f"{signal_fraction(list(measured.values()), g):.1%}",
-        f"groups with reward variance, G={g}, curated tasks": f"{signal_fraction([rates[t] for t in inside], g):.1%}",
-        "written": f"{out} ({len(inside)} tasks)",
+        f"groups with reward variance, G={g}, all measured tasks": signal(list(measured)),
+        f"groups with reward variance, G={g}, curated tasks": signal(inside),
+        "written": f"{out} ({len(inside)} tasks)" if inside else f"{out}, listing none: --tasks @{out} is refused",
     })
-    if not inside:
-        print(f"warning: no task has a pass rate inside {low:g}-{high:g}; {out} lists none, so --tasks @{out} "
-              "would be refused", file=sys.stderr)
-    return out
 
 
-def run_measure(args: argparse.Namespace, plan: dict[str, Any]) -> int:
-    """--eval-only and --curate: no trainer, no weights, no torch."""
-    if args.curate:
-        curate(args, read_pass_rates(args.curate), args.curate)
-        return 0
-    split, tasks, llm = plan["split"], plan["tasks"], plan["llm"]
-    print_table("async_grpo_harbor --eval-only", {
-        "output dir": args.output_dir, "harbor": args.harbor_url,
-        "engine (server side)": f"{llm.get('url', '?')} capture={llm.get('capture_level', '?')}",
-        "split": split, "tasks": len(tasks), "harness / sandbox": f"{args.harness} / {args.sandbox}",
-        "rollouts per task (and harness)": args.eval_k, "temperature": args.temperature,
-        "max inflight": args.max_inflight, "reward key": args.reward_key or "reward",
-        "agent step limit / timeout": f"{args.agent_step_limit} calls / {args.agent_timeout:g} s",
-    })
-    rows = measure_pass_rates(args, split, tasks, llm)
+def run_measure(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
+    """--eval-only, with a bare --curate after it: no trainer, no weights, no torch."""
+    print_hyperparameters(args, plan, server)
+    rows = measure_pass_rates(args, plan, plan["tasks"])
     path = Path(args.output_dir) / "pass_rates.csv"
-    write_pass_rates(path, rows)
-    print_pass_rates(rows)
-    print(f"[eval] wrote {path}", flush=True)
-    if args.curate == "":
-        curate(args, [{k: str(v) for k, v in r.items()} for r in rows], str(path))
-    return 0 if len(rows) == len(tasks) * len(args.harnesses) else 1
+    solved, scored, errors = tally(rows)
+    units = len(plan["tasks"]) * len(args.harnesses)
+    print_table("pass rates (solved: verifier reward > 0; errors: unscorable rollouts, left out of the rate)", {
+        **{f"{r['task']} ({r['harness']})": f"{r['solved']}/{r['k'] - r['errors']} solved, mean reward "
+           f"{r['mean_reward']}, {r['mean_turns']} turns, {r['mean_wall_s']} s, {r['errors']} errors" for r in rows},
+        "all": f"{len(rows)} of {units} tasks measured in full, {solved}/{scored} solved, {errors} errors; {path}"})
+    if args.curate == "" and rows:
+        curate(args, str(path))
+    return 0 if len(rows) == units else 1
 
 
 # --- Trainer ----------------------------------------------------------------------------------------------------------
@@ -3908,14 +3820,14 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         STOP.resume_command = resume_command(sys.argv[1:] if argv is None else argv, args.output_dir)
         if args.curate:  # from a pass_rates.csv: no server, no engine
-            return run_measure(args, {})
+            curate(args, args.curate)
+            return 0
     except UsageError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     rank = launch_rank()
-    # Under `accelerate launch` / torchrun rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on
-    # the main process only); the others take its plan and run name, so N processes start one server and write one
-    # run. The process group exists already (HarborGRPOConfig, with this timeout); this adds one for Python objects.
+    # Rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on the main process only); the others
+    # take its plan through this group of their own (training's is HarborGRPOConfig's).
     group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
              if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
@@ -3937,7 +3849,7 @@ def main(argv: list[str] | None = None) -> int:
             code, plan, args.run_name, args.output_dir, args.harbor_url = shared[0]
             args.config.run_name, args.config.output_dir = args.run_name, args.output_dir
         if code is None:
-            return run_measure(args, plan) if args.measure else train(args, plan, server)
+            return run_measure(args, plan, server) if args.measure else train(args, plan, server)
     except KeyboardInterrupt:
         print(f"\n[harbor] interrupted; checkpoints so far are in {args.output_dir}", file=sys.stderr)
         return 130
@@ -3945,9 +3857,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
     if group is not None:
-        # A group left to the interpreter's exit can abort a rank that ends here (after --check: SIGABRT,
-        # "terminate called without an active exception").
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # left to the interpreter's exit, it can abort a rank that ends here (SIGABRT)
     return code
 
 
@@ -3956,54 +3866,42 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def process_group_timeout() -> str:
-    """The timeout of the process group training runs on, as torch holds it (what the NCCL watchdog enforces)."""
-    try:
-        # private: torch has no public getter of a process group's timeout (_get_backend, options._timeout)
-        backend = dist.group.WORLD._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-        return f"{dist.get_world_size()} ranks ({dist.get_backend()}), collective timeout {backend.options._timeout}"
-    except (AttributeError, RuntimeError, ValueError) as exc:  # private torch API: report, do not fail the run
-        return f"{dist.get_world_size()} ranks (timeout unreadable: {exc})"
-
-
 def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
                           server: EmbeddedHarborServer | None) -> None:
-    llm, tasks = plan["llm"], plan["tasks"]
-    ranks_wait = (f"; the other ranks wait up to {timedelta(seconds=eval_budget_s(args, len(plan['eval_tasks'])))} "
-                  "for each" if plan.get("eval_tasks") and int(os.environ.get("WORLD_SIZE", "1")) > 1 else "")
+    """The settings the preflight table above it does not show; secrets redacted."""
+    names = ["reward_key", "temperature", "agent_step_limit", "agent_timeout"]
+    if not args.measure:
+        names += ["model", "vllm_url", "num_generations", "micro_batches_per_step", "max_staleness",
+                  "max_completion_length", "learning_rate", "max_steps", "save_steps", "efficiency_weight",
+                  "max_consecutive_failures", "report_to", "project"]
+        names += ["lora_r", "lora_alpha", "use_rslora", "lora_dropout", "lora_target_modules"] if args.use_peft else []
+    # TRL fields set beyond the script's flags too; transformers hides *_token fields the same way
+    values = {name: getattr(args, name) for name in names} | args.trl
+    rows = {"harbor": args.harbor_url + (f" (started here, log {server.log_path})" if server else "")}
+    rows |= {f"--{k.replace('_', '-')}": f"<{k.upper()}>" if k.endswith("_token") else redact(str(v))
+             for k, v in values.items()}
+    if args.measure:
+        print_table("async_grpo_harbor --eval-only", rows)
+        return
+    evals, ranks = plan.get("eval_tasks") or [], int(os.environ.get("WORLD_SIZE", "1"))
+    held_out = (f"{len(evals)} tasks x {args.eval_k} rollouts, before training and every "
+                f"{args.eval_steps or '-'} steps")
+    if ranks > 1:
+        held_out += f"; the other ranks wait up to {timedelta(seconds=eval_budget_s(args, len(evals)))} for each"
+        # the timeout HarborGRPOConfig gives training's process group, which the NCCL watchdog enforces
+        rows["ranks"] = (f"{ranks} ranks ({dist.get_backend()}), collective timeout "
+                         f"{timedelta(seconds=args.ddp_timeout)}")
     print_table("async_grpo_harbor", {
-        "run name": args.run_name, "output dir": args.output_dir, "resume from": plan["resume"] or "-",
-        "model": args.model, "vllm": args.vllm_url,
-        "harbor": f"{args.harbor_url}" + (f" (started here, log {server.log_path})" if server else ""),
-        "engine (server side)": f"{llm.get('url', '?')} capture={llm.get('capture_level', '?')}",
+        "run name": args.run_name, "resume from": plan["resume"] or "-",
         "tokens per micro-batch": f"{plan['max_model_len']} (vLLM max_model_len: TRL's token budget)",
-        "split": plan["split"], "tasks": f"{len(tasks)} ({', '.join(t['task_name'] for t in tasks[:5])}"
-                                         f"{', ...' if len(tasks) > 5 else ''})",
-        "harness / sandbox": f"{args.harness} / {args.sandbox}", "reward key": args.reward_key or "reward",
-        "generations / micro-batches per step": f"{args.num_generations} / {args.micro_batches_per_step}",
-        "max inflight": args.max_inflight, "max staleness": args.max_staleness, "temperature": args.temperature,
-        "agent step limit / timeout": f"{args.agent_step_limit} calls / {args.agent_timeout:g} s",
-        "max completion length": args.max_completion_length, "learning rate": args.learning_rate,
-        "max steps / save steps": f"{args.max_steps} / {args.save_steps}",
         "dtype (trainer weights)": (f"{args.dtype} base (frozen), float32 LoRA adapters" if args.use_peft
                                     else args.dtype),
-        **({"LoRA": f"r {args.lora_r}, alpha {args.lora_alpha}{' (rsLoRA)' if args.use_rslora else ''}, dropout "
-                    f"{args.lora_dropout}, on {' '.join(args.lora_target_modules or ['PEFT default modules'])}; "
-                    f"merged push; merged model written to {args.output_dir}/merged at the end"}
-           if args.use_peft else {}),
         "checkpoints": (f"~{human_bytes(plan['checkpoint_bytes'])} each"
                         + (" (adapter + its AdamW state)" if args.use_peft else "") if plan.get("checkpoint_bytes")
                         else "size unknown") + f", the newest {args.save_total_limit or 'all'} kept",
-        "efficiency weight": args.efficiency_weight, "stop after failures": args.max_consecutive_failures,
         "zero-variance groups": (f"kept out; stop after {args.max_zero_variance_groups} in a row"
                                  if args.max_zero_variance_groups else "trained (advantages 0)"),
-        "held-out eval": (f"{len(plan['eval_tasks'])} tasks x {args.eval_k} rollouts, before training and every "
-                          f"{args.eval_steps or '-'} steps{ranks_wait}" if plan.get("eval_tasks")
-                          else "none (--eval-tasks)"),
-        "report to": f"{', '.join(args.report_to) or 'none'} (project {args.project})",
-        # AsyncGRPOConfig fields set beyond the script's flags; transformers hides *_token fields the same way
-        **{f"{k} (TRL)": f"<{k.upper()}>" if k.endswith("_token") else redact(str(v)) for k, v in args.trl.items()},
-        **({"ranks": process_group_timeout()} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}),
+        "held-out eval": held_out if evals else "none (--eval-tasks)", **rows,
     })
 
 

@@ -130,7 +130,7 @@ def test_the_other_ranks_wait_for_rank_0s_held_out_eval(stopped_and_resumed):
 
 
 def test_the_process_group_timeout_is_sized_from_the_rollout_budget(stopped_and_resumed):
-    # --num-generations x (60 s agent timeout + 1800 s margin), read back from the group torch created.
+    # --num-generations x (60 s agent timeout + 1800 s margin), as the hyper-parameter table reports it.
     _, first, *_ = stopped_and_resumed
     timeout = timedelta(seconds=GENERATIONS * (60 + 1800))
     assert re.search(rf"ranks\s+{RANKS} ranks \(gloo\), collective timeout {timeout}\n", first), first[:5000]

@@ -111,8 +111,6 @@ PRIVATE = [
     # torch.
     Private("torch.utils.data:DataLoader", "_get_iterator", "(self): makes each pass's iterator", "method",
             ("self",), used_by=("torch.utils.data:DataLoader.__iter__: self._get_iterator\\(\\)",)),
-    Private("torch.distributed:ProcessGroup", "_get_backend", "(device) -> the group's backend", "method"),
-    Private("torch._C._distributed_c10d:Backend.Options", "_timeout", "a backend's collective timeout", "property"),
     # The standard library.
     Private("multiprocessing.queues:Queue", "_writer", "the write end of the queue's pipe (a Connection)", "init"),
 ]

@@ -293,7 +293,8 @@ def test_solve_rate_per_pass_over_the_task_list():
 def test_held_out_tasks_are_measured_before_training_every_n_steps_and_at_the_end(trained):
     proc, out, _, _ = trained
     rows = list(csv.DictReader((out / "eval.csv").open()))
-    assert list(rows[0]) == ["step", "task", "index", "harness", "k", "solved", "pass_rate", "mean_reward", "errors"]
+    assert list(rows[0]) == ["step", "task", "index", "harness", "sandbox", "k", "solved", "pass_rate", "mean_reward",
+                             "mean_turns", "mean_wall_s", "errors"]
     # Before the first step and at --eval-steps 3, the last step, which is measured once.
     assert sorted({int(r["step"]) for r in rows}) == [0, 3]
     assert len(rows) == 2 * len(EVAL_TASKS) * len(HARNESSES)  # each task under each harness
