@@ -27,47 +27,35 @@ The harness (default mini-swe-agent) runs inside a sandbox (default e2b) and dri
 through OpenEnv's capture proxy to your vLLM server, which records exact token ids and logprobs. Harbor's verifier
 scores the workspace. This script turns each rollout into a GRPO sample and trains the policy that vLLM serves.
 
-Run it (see README.md for the full walk-through):
+Run it (README.md walks through it):
 
-    # one GPU (80 GB: LoRA; README.md says what a 141 GB card trains). 1. the policy server, bound to this host (the
-    #    ipc backend unpickles what it is sent), on 0.40 of the GPU's total memory: the trainer gets the rest (the
-    #    preflight's `trainer memory` row checks that it fits)
+    # one GPU (80 GB: LoRA). 1. the policy server, bound to this host (the ipc backend unpickles what it is sent), on
+    #    0.40 of the GPU: the trainer gets the rest (the preflight's `trainer memory` row checks that it fits)
     VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 \
         --host 127.0.0.1 --port 8000 --gpu-memory-utilization 0.40 --max-model-len 32768 \
         --enable-auto-tool-choice --tool-call-parser hermes \
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"ipc"}'
 
-    # 2. check everything with one paid rollout, then train on the same GPU; starts its own Harbor server
-    #    (`openenv harbor serve`) on 127.0.0.1 and stops it at exit
+    # 2. check everything with one paid rollout, then train (its own Harbor server on 127.0.0.1, stopped at exit);
+    #    the merged model lands in <output dir>/merged
     E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
         --vllm-url http://127.0.0.1:8000 --use-peft --lora-target-modules all-linear --check --probe-rollout
     E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
         --vllm-url http://127.0.0.1:8000 --use-peft --lora-target-modules all-linear
 
-    # two GPUs: the policy server on GPU 0, bound to this host (its dev-mode routes drive it), weights pushed over NCCL
+    # two GPUs: the policy server on GPU 0 (its dev-mode routes drive it), weights pushed over NCCL ...
     CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --host 127.0.0.1 \
         --port 8000 --max-model-len 32768 --enable-auto-tool-choice --tool-call-parser hermes \
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"nccl"}'
-
     # ... and the trainer on GPU 1 (never vLLM's)
     CUDA_VISIBLE_DEVICES=1 E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py \
         --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://127.0.0.1:8000
 
-    # check the whole set-up without training (one real rollout with --probe-rollout)
-    uv run async_grpo_harbor.py ... --check --probe-rollout
-
-    # resume the latest checkpoint of that run (same --run-name or --output-dir)
-    uv run async_grpo_harbor.py ... --run-name <name printed at start> --resume
-
     # preemptible (SLURM requeue): one command for the first launch and every requeue; SIGTERM / SIGUSR1 save a
-    # checkpoint and exit 75
+    # checkpoint and exit 75 (`--resume` alone: the latest checkpoint of --run-name / --output-dir)
     uv run async_grpo_harbor.py ... --run-name my-run --resume auto
-
-    # LoRA (docs/capacity.md): float32 adapters on a bfloat16 base frozen on the trainer GPU, merged weights pushed
-    # (vLLM as in 1., without --enable-lora); the merged model lands in <output dir>/merged for `vllm serve`
-    uv run async_grpo_harbor.py ... --use-peft --lora-r 16 --lora-target-modules all-linear --learning-rate 1e-5
 
 The sections below, in the order data flows (search for `# --- <name>`):
 
@@ -76,7 +64,7 @@ The sections below, in the order data flows (search for `# --- <name>`):
     Session factory  HarborSessionFactory: one Harbor rollout (harness + sandbox + verifier) per TRL session
     Reward           harbor_reward (a rollout's score), shape_group_rewards (the group's, before TRL's advantages)
     Harbor server    EmbeddedHarborServer: the `openenv harbor serve` this script starts without --harbor-url
-    Sizing           TrainerShape, checkpoint_disk, trainer_peak: the disk and GPU memory a run needs
+    Sizing           TrainerShape, trainer_peak: the disk and GPU memory a run needs
     Preflight        PREFLIGHT_CHECKS: one check per row `--check` prints, run before any weights load
     Measure          run_measure (--eval-only, --curate), held_out_eval (--eval-tasks during training)
     Trainer          HarborRolloutLoop (in TRL's rollout child), RolloutAccounting, HarborGRPOTrainer (its
