@@ -661,8 +661,7 @@ def task_rows(tasks: list[dict[str, Any]], split: str, harnesses: list[str]) -> 
 
 # --- Session factory: one Harbor rollout per TRL session --------------------------------------------------------------
 def rollout_budget_s(agent_timeout: float) -> float:
-    """How long one rollout may take: the agent's timeout (0: the task's own, at most an hour), plus sandbox setup and
-    verification."""
+    """How long one rollout may take: the agent's timeout (0: the task's own, at most an hour), setup, verification."""
     return (agent_timeout or 3600.0) + 1800.0
 
 
@@ -671,8 +670,7 @@ class ServerLost(ConnectionError):
 
 
 class CaptureLost(ServerLost):
-    """The capture proxy does not answer at the URL every sandbox is given (its tunnel or the proxy died), so a harness
-    started now could reach no model. Waited for as a lost server is; openenv cannot reopen a tunnel."""
+    """The capture proxy does not answer at the URL every sandbox is given: a harness started now reaches no model."""
 
 
 class ServerFull(RuntimeError):
@@ -680,20 +678,17 @@ class ServerFull(RuntimeError):
 
 
 class Failure(NamedTuple):
-    """Why a rollout is unscorable: `kind` is the countable name (`harbor/errors/<kind>_total`), `message` the reason."""
+    """Why a rollout is unscorable: `kind` counts it (`harbor/errors/<kind>_total`), `message` says why."""
 
     kind: str
     message: str
 
 
-# The kind of the failure that stops the run at once, whatever --max-consecutive-failures says.
-SERVER_GONE = "server_unreachable"
-
+SERVER_GONE = "server_unreachable"  # the failure kind that stops the run at once
 # The agent ends the policy brings about itself, trained at the verifier's reward (Harbor verifies after any
 # AgentTimeoutError or NonZeroAgentExitCodeError: harbor/trial/single_step.py): it looped until --agent-timeout, or
-# talked past the context or the output cap. Every other end Harbor verified after is the harness or the inference
-# path failing (NonZeroAgentExitCodeError and its other subclasses; a plain one is how mini-swe-agent reports a vLLM
-# that answers 5xx or is gone), so its reward is not the policy's.
+# talked past the context or the output cap. Any other end is the harness or the inference path failing (a plain
+# NonZeroAgentExitCodeError is how mini-swe-agent reports a vLLM that answers 5xx or is gone): not the policy's reward.
 POLICY_EXITS = {"AgentTimeoutError": "timeout", "ContextWindowExceededError": "context_window",
                 "OutputTokenExceededError": "output_tokens"}
 
@@ -706,8 +701,7 @@ def agent_exit(r: HarborRolloutResult) -> str | None:
 
 
 def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, reward_key: str) -> Failure | None:
-    """Why a finished rollout cannot be trained on (None: it can). Training, --eval-only and the probe judge every
-    result here; a policy that loops until --agent-timeout earns its reward, not a pass."""
+    """Why a finished rollout cannot be trained on (None: it can), for training, --eval-only and the probe alike."""
     if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
         return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
                                      f"{', '.join(sorted(r.rewards))}")
@@ -716,17 +710,17 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
         # OpenEnv skips these two capture checks once the agent's failure has set ok=False (openenv/harbor/rollout.py).
         why = "trace reconciliation MISMATCH" if r.atif == "MISMATCH" else "no trainable token"
         return Failure("capture", f"the agent ended with {r.exception_type} and its capture is not trainable ({why})")
+    budget = next((x for x in r.findings if "context_budget_exhausted" in x), None)
+    if exit_kind is None and budget and "no_turns" in (r.error or ""):
+        # vLLM refuses a call whose prompt + max_tokens exceed its context (HTTP 400); the proxy turns that into a stop
+        # the agent obeys, and the rollout's own error then blames the base URL.
+        return Failure("context", f"vLLM refused the agent's first call as too long for its context ({budget[:240]}): "
+                                  "the Harbor server's --max-output-tokens (this script's --max-completion-length) "
+                                  "plus the task's prompt must fit vLLM's --max-model-len")
+    if exit_kind is None and r.reward is not None and r.exception_type:
+        return Failure(r.exception_type, f"{r.exception_type}: the agent's harness or its engine failed, so the "
+                                         f"verifier's reward {r.reward:g} is not the policy's: {r.error}")
     if exit_kind is None:
-        budget = next((x for x in r.findings if "context_budget_exhausted" in x), None)
-        if budget and "no_turns" in (r.error or ""):
-            # vLLM refuses a call whose prompt + max_tokens exceed its context (HTTP 400); the proxy turns that into a
-            # stop the agent obeys, and the rollout's own error then blames the base URL.
-            return Failure("context", f"vLLM refused the agent's first call as too long for its context "
-                                      f"({budget[:240]}): the Harbor server's --max-output-tokens (this script's "
-                                      "--max-completion-length) plus the task's prompt must fit vLLM's --max-model-len")
-        if r.reward is not None and r.exception_type:
-            return Failure(r.exception_type, f"{r.exception_type}: the agent's harness or its engine failed, so the "
-                                             f"verifier's reward {r.reward:g} is not the policy's: {r.error}")
         return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}")
     if r.rollout_type != "train" and require_tokens:
         return Failure("eval_tier", "the engine returned no token ids / processed logprobs (eval tier): restart vLLM "
@@ -734,24 +728,20 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
     fatal = next((x for x in r.findings if "[FATAL" in x), None)
     if fatal:
         return Failure("capture", f"capture finding {fatal}")
-    if r.reward is None:
-        return Failure("no_reward", "the verifier produced no reward")
-    return None
+    return Failure("no_reward", "the verifier produced no reward") if r.reward is None else None
 
 
 class HarborServerSession:
-    """One session slot on `openenv harbor serve`, over HTTP MCP (`POST /mcp`), taken by `open()` and freed by
-    `close()` in the thread that uses it. Not `HarborEnv`'s websocket: the server reads a websocket's close only once
-    the running rollout returns, so a stopped run would leave the next one "Server at capacity". `cut()`, from any
-    thread, ends the call in flight at once."""
+    """One session slot on `openenv harbor serve`, over HTTP MCP: `open()` takes it and `close()` frees it, in the
+    thread that uses it; `cut()`, from any thread, ends the call in flight at once. Not `HarborEnv`'s websocket: the
+    server reads its close only once the running rollout returns, leaving the next run "Server at capacity"."""
 
     def __init__(self, base_url: str, timeout_s: float):
-        self.url = urllib.parse.urlsplit(base_url)
-        self.timeout_s = timeout_s
+        self.url, self.timeout_s = urllib.parse.urlsplit(base_url), timeout_s
         self.session_id: str | None = None
         self.closed = False
-        self._lock = threading.Lock()
-        self._waiting: socket.socket | None = None  # the socket of the rollout call in flight
+        self._lock = threading.Lock()  # between a call publishing its socket and cut() shutting it
+        self._waiting: socket.socket | None = None
 
     def open(self) -> None:
         if self.closed:
@@ -759,55 +749,45 @@ class HarborServerSession:
         if self.session_id is None:
             self.session_id = self._post("openenv/session/create", {})["session_id"]
 
-    # HarborEnv's own wire contract, its tool call riding this session. Not a HarborEnv: its constructor builds an
-    # httpx client a rollout never uses (~20 ms of CPU per rollout).
     def run_rollout(self, **kwargs: Any) -> HarborRolloutResult:
+        """HarborEnv's own wire contract on this session (a HarborEnv builds an httpx client a rollout never uses)."""
         self.open()
         return HarborEnv.run_rollout(self, **kwargs)
 
     def _call(self, name: str, **arguments: Any) -> Any:
-        params = {"name": name, "arguments": arguments, "session_id": self.session_id}
-        result = self._post("tools/call", params, cut=True)
+        result = self._post("tools/call", {"name": name, "arguments": arguments, "session_id": self.session_id}, True)
         if isinstance(result, dict) and result.get("isError"):
             raise RuntimeError(f"tool {name!r} failed: {json.dumps(result.get('content'))[:300]}")
         return result
 
     def close(self) -> None:
-        """Free the slot, in the thread that took it; the session can be opened again."""
         session_id, self.session_id = self.session_id, None
-        if session_id is not None:
-            # Failing: the server is gone (its slots went with it) or already dropped the session.
-            with contextlib.suppress(OSError, RuntimeError, ValueError):
-                self._post("openenv/session/close", {"session_id": session_id}, timeout_s=10)
+        # Failing: the server is gone (its slots went with it) or already dropped the session.
+        with contextlib.suppress(OSError, RuntimeError, ValueError):
+            if session_id is not None:
+                self._post("openenv/session/close", {"session_id": session_id})
 
     def cut(self) -> None:
         with self._lock:
-            self.closed = True
-            waiting = self._waiting
+            self.closed, waiting = True, self._waiting
         if waiting is not None:
             with contextlib.suppress(OSError):
                 waiting.shutdown(socket.SHUT_RDWR)
 
-    def _post(self, method: str, params: dict[str, Any], timeout_s: float = 0.0, cut: bool = False) -> Any:
+    def _post(self, method: str, params: dict[str, Any], cut: bool = False) -> Any:
         connection = http.client.HTTPSConnection if self.url.scheme == "https" else http.client.HTTPConnection
-        conn = connection(self.url.hostname, self.url.port, timeout=timeout_s or self.timeout_s)
-        try:
-            conn.connect()
-        except OSError as exc:
-            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
-        # A rollout is one request silent for minutes: without keepalive a NAT or load balancer on the way drops it
-        # unseen, and the thread waits out the whole timeout.
-        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
-            if hasattr(socket, option):
-                conn.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-        with self._lock:
-            if cut and self.closed:
-                conn.close()
-                raise RuntimeError("session closed")
-            self._waiting = conn.sock if cut else self._waiting
+        conn = connection(self.url.hostname, self.url.port, timeout=self.timeout_s if cut else 30)
         body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
         try:
+            conn.connect()
+            # A rollout is one request silent for minutes: without keepalive a NAT on the way drops it unseen.
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
+            with self._lock:
+                if cut and self.closed:
+                    raise RuntimeError("session closed")
+                if cut:
+                    self._waiting = conn.sock
             conn.request("POST", f"{self.url.path.rstrip('/')}/mcp", body, {"Content-Type": "application/json"})
             reply = json.loads(conn.getresponse().read() or b"{}")
         except (OSError, http.client.HTTPException) as exc:
@@ -818,9 +798,7 @@ class HarborServerSession:
             if cut:
                 self._waiting = None
             conn.close()
-        error = reply.get("error")
-        if not error:
-            return reply.get("result")
+        error = reply.get("error") or {}
         message = f"harbor server: {method}: {error.get('message', error)}"
         # openenv 0.10's http_server: a full server's reply is the only one with max_sessions data; a session it never
         # created (or lost in a restart) is "Unknown session_id".
@@ -828,28 +806,26 @@ class HarborServerSession:
             raise ServerFull(message)
         if str(error.get("message", "")).startswith("Unknown session_id"):
             raise ServerLost(message)
-        raise RuntimeError(message)
+        if error:
+            raise RuntimeError(message)
+        return reply.get("result")
 
 
 # Sandboxes that build a task's template on its first use, where rollouts starting together race the build (see
-# SHARED_TEMPLATE_NAME): the first rollout of a process starts alone (it takes FIRST_ROLLOUT, never given back), the
-# others once it has ended.
+# SHARED_TEMPLATE_NAME): the first rollout of a process (it takes FIRST_ROLLOUT for good) starts alone.
 TEMPLATE_BUILDING_SANDBOXES = {"e2b"}
-FIRST_ROLLOUT = threading.Lock()
-FIRST_ROLLOUT_ENDED = threading.Event()
+FIRST_ROLLOUT, FIRST_ROLLOUT_ENDED = threading.Lock(), threading.Event()
 
 
 class HarborSession(ResourceSession):
-    """One rollout, as OpenEnv's `TrainableSession`: `wait_for_completion()` runs it on the Harbor server in a session
-    of its own, `fetch_training_trace()` hands TRL the validated capture, `verify()` the verifier's reward. A failed
-    rollout is unscorable, never fatal; a rollout its server lost starts again in a new session."""
+    """One rollout, as OpenEnv's `TrainableSession`: `wait_for_completion()` runs it in a server session of its own,
+    `fetch_training_trace()` hands TRL the validated capture, `verify()` the verifier's reward. A failed rollout is
+    unscorable, never fatal; a rollout its server lost starts again in a new session."""
 
     def __init__(self, factory: HarborSessionFactory, prompt: list[dict[str, Any]], group: int | None):
         self._factory, self._prompt, self.group = factory, prompt, group
-        self.task_name = prompt[0]["harbor_task_name"]
-        self.task_index = int(prompt[0]["harbor_task_index"])
+        self.task_name, self.task_index = prompt[0]["harbor_task_name"], int(prompt[0]["harbor_task_index"])
         self.harness = prompt[0].get("harbor_harness") or factory.harness
-        self.label = f"{factory.label} {group} task {self.task_index} ({self.task_name})"
         self._client = HarborServerSession(factory.harbor_url, factory.request_timeout_s)
         self._stopped = threading.Event()
         self.result: HarborRolloutResult | None = None
@@ -871,20 +847,17 @@ class HarborSession(ResourceSession):
         with f.running_changed:
             if f.closing:
                 self.close()
-                return 1
             f.running.add(self)
         try:
             alone = f.sandbox not in TEMPLATE_BUILDING_SANDBOXES or FIRST_ROLLOUT.acquire(blocking=False)
             while not alone and not FIRST_ROLLOUT_ENDED.wait(1.0):
                 if self._stopped.is_set():
                     return 1
-            try:
-                self.failure = self._run()
-            finally:
-                FIRST_ROLLOUT_ENDED.set()
+            self.failure = None if self._stopped.is_set() else self._run()
             return 0 if self.failure is None and self.result is not None else 1
         finally:
-            self._client.close()  # only this thread takes and frees the slot, so none is left behind
+            FIRST_ROLLOUT_ENDED.set()
+            self._client.close()  # this thread alone takes and frees the slot: none is left behind
             with f.running_changed:
                 f.running.discard(self)
                 f.running_changed.notify_all()
@@ -895,13 +868,12 @@ class HarborSession(ResourceSession):
         # The proxy takes a training policy only from an engine it captures tokens from; any engine takes an eval one.
         policy = {"purpose": "eval", "eval_sampling": f.eval_sampling} if f.eval_sampling else {"sampling": f.sampling}
         lost, backoff, full_since = False, 1.0, None
-        while not self._stopped.is_set():
+        while True:
             try:
                 f.reach_capture()
                 client.open()
                 f.server_answered()
-                self.retries += lost
-                lost = False
+                self.retries, lost = self.retries + lost, False
                 self.result = client.run_rollout(
                     split=self._prompt[0]["harbor_split"], task_index=self.task_index, harness=self.harness,
                     sandbox=f.sandbox, reward_key=f.reward_key, agent_timeout_sec=f.agent_timeout_s,
@@ -909,11 +881,11 @@ class HarborSession(ResourceSession):
                 return judge_rollout(self.result, self.task_name, require_tokens=f.require_tokens,
                                      reward_key=f.reward_key)
             except ServerLost as exc:
-                # The sandbox went with the session: the rollout starts again in a new one once the server answers,
+                # Its sandbox went with the session: the rollout starts again in a new one once the server answers,
                 # within one window for the whole run, never counted toward --max-consecutive-failures.
                 if self._stopped.is_set():
                     return None
-                lost = lost or not isinstance(exc, CaptureLost)  # that one never started: nothing to start again
+                lost = lost or not isinstance(exc, CaptureLost)  # a rollout the capture check held never started
                 wait = min(backoff, f.server_lost(exc))
                 if wait <= 0:
                     return Failure(SERVER_GONE, f.gone(exc))
@@ -926,32 +898,25 @@ class HarborSession(ResourceSession):
                                                   "the Harbor server to >= 2 x --max-inflight)")
             except Exception as exc:  # noqa: BLE001 - this rollout's failure, not the server's: judged unscorable
                 return Failure("transport", f"harbor server call failed: {type(exc).__name__}: {exc}")
-            self._stopped.wait(wait)
+            if self._stopped.wait(wait):
+                return None
             client.close()
             backoff = min(2 * backoff, 10.0)
-        return None
 
     def fetch_training_trace(self) -> TrainingTrace:
         from openenv.harbor.contract import to_training_trace
 
         if self._stopped.is_set():
             return TrainingTrace(turns=[])  # abandoned at stop: neither a sample nor a failure
-        if self.failure is None:
-            try:
-                trace = to_training_trace(self.result)
-            except (ValueError, TypeError, KeyError) as exc:
-                # One malformed capture is this rollout's problem, not the run's: TRL stops its worker on any of these.
-                self.failure = Failure("capture", f"capture rejected: {exc}")
+        try:
+            trace = to_training_trace(self.result) if self.failure is None else TrainingTrace(turns=[])
+        except (ValueError, TypeError, KeyError) as exc:  # TRL would stop its worker on any of these
+            self.failure, trace = Failure("capture", f"capture rejected: {exc}"), TrainingTrace(turns=[])
         self._factory.record_outcome(self)
-        return TrainingTrace(turns=[]) if self.failure is not None else trace
+        return trace
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
-        if self.failure is not None or self.result is None:
-            return VerifyResult(env_reward=None, done=True,
-                                metrics={"failure": self.failure.message if self.failure else None})
-        r = self.result
-        return VerifyResult(env_reward=r.reward, done=True,
-                            metrics={"wall_s": r.wall_s, "turns": r.n_turns, **r.phase_timings})
+        return VerifyResult(env_reward=None if self.failure or self.result is None else self.result.reward, done=True)
 
     def close(self) -> None:
         """From any thread: stop the rollout; its own thread frees its slot on the way out."""
@@ -960,13 +925,10 @@ class HarborSession(ResourceSession):
 
 
 class HarborSessionFactory(ResourceSessionFactory):
-    """Creates one `HarborSession` per rollout; built inside TRL's rollout child as `factory(sampling=...)`.
-
-    `sampling`: the trainer's own policy (temperature), so the proxy samples at the temperature the trainer scores at.
-    `capture_url`: the capture proxy as every sandbox reaches it, asked before each rollout ("": a server of yours).
+    """One `HarborSession` per rollout; built in TRL's rollout child as `factory(sampling=...)`, `sampling` being the
+    trainer's own policy. `capture_url`: the capture proxy as every sandbox reaches it ("": a server of yours).
     Stops training (RolloutsFailing) after --max-consecutive-failures unscorable rollouts in a row, or a Harbor server
-    or capture proxy gone for --harbor-retry-window.
-    """
+    or capture proxy gone for --harbor-retry-window."""
 
     def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
                  agent_timeout_s: float, max_consecutive_failures: int, retry_window_s: float = 300.0,
@@ -986,21 +948,20 @@ class HarborSessionFactory(ResourceSessionFactory):
         self._consecutive_failures = 0
         self._outage_since: float | None = None  # since when the server or the capture proxy has not answered
         self.running: set[HarborSession] = set()  # inside wait_for_completion: each may hold a server slot
-        self.running_changed = threading.Condition()
+        self.running_changed = threading.Condition()  # never taken by the main thread, where _abandon runs
         self.closing = False
         if multiprocessing.parent_process() is not None and threading.current_thread() is threading.main_thread():
             self._leave_with_trainer()
 
     def _leave_with_trainer(self) -> None:
-        """In TRL's rollout child: leave only through the trainer, freeing every server slot on the way out. Ctrl-C and
-        SLURM signal the whole process group, and a child whose trainer died (SIGKILL, OOM) would go on starting paid
-        sandboxes; the trainer holds the other end of its sentinel, which reads as closed once it is gone."""
+        """In TRL's rollout child: leave only through the trainer, every server slot freed. Ctrl-C and SLURM signal the
+        whole process group; a child whose trainer died (SIGKILL, OOM) would go on starting paid sandboxes."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the trainer's stop request; it stops us when it is ready
         signal.signal(signal.SIGTERM, lambda signum, frame: self._abandon(128 + signum))
         import multiprocessing.connection
 
-        def watch(trainer=multiprocessing.parent_process().sentinel) -> None:
+        def watch(trainer=multiprocessing.parent_process().sentinel) -> None:  # reads as closed once it is gone
             multiprocessing.connection.wait([trainer])
             os.kill(os.getpid(), signal.SIGTERM)  # _abandon, in the main thread: no rollout starts meanwhile
 
@@ -1009,7 +970,7 @@ class HarborSessionFactory(ResourceSessionFactory):
     def _abandon(self, exit_code: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one would exit before the slots below are free
         self.close_sessions()
-        with self.running_changed:  # never held by the main thread, where this signal handler runs
+        with self.running_changed:
             self.running_changed.wait_for(lambda: not self.running, timeout=10.0)
         os._exit(exit_code)
 
@@ -1018,10 +979,9 @@ class HarborSessionFactory(ResourceSessionFactory):
         return HarborSession(self, list(task), seed)
 
     def close_sessions(self) -> None:
-        """Stop every running rollout (each frees its slot as it ends) and any that would start from now on."""
+        """Stop every running rollout (each frees its slot as it ends) and every one that would start from now on."""
         with self.running_changed:
-            self.closing = True
-            running = list(self.running)
+            self.closing, running = True, list(self.running)
         for session in running:
             session.close()
 
@@ -1030,12 +990,9 @@ class HarborSessionFactory(ResourceSessionFactory):
             say(redact(line))
 
     def reach_capture(self) -> None:
-        """Raise CaptureLost unless the capture proxy answers at the URL the sandboxes are given: no paid sandbox
-        starts for a harness that could reach no model."""
-        if not self.capture_url:
-            return
+        """No paid sandbox starts for a harness that could reach no model: the capture proxy answers where they do."""
         try:
-            health = http_json(f"{self.capture_url}/health", timeout=30)
+            health = http_json(f"{self.capture_url}/health", timeout=30) if self.capture_url else {"status": "ok"}
         except (OSError, ValueError) as exc:
             raise CaptureLost(f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(health, dict) or health.get("status") != "ok":
@@ -1044,17 +1001,16 @@ class HarborSessionFactory(ResourceSessionFactory):
     def server_lost(self, exc: ServerLost) -> float:
         """Seconds left before the run gives up on the server (or the capture proxy): one window for the whole run,
         from the first call that found it gone to the first that finds it back, however many rollouts wait."""
-        now = time.monotonic()
+        now, window = time.monotonic(), f"for at most {self.retry_window_s:g}s (--harbor-retry-window)"
         with self._lock:
             first, self._outage_since = self._outage_since is None, self._outage_since or now
-            since, running = self._outage_since, sum(s.result is None for s in list(self.running))
-        window = f"for at most {self.retry_window_s:g}s (--harbor-retry-window)"
+            since, waiting = self._outage_since, sum(s.result is None for s in list(self.running))
         if first and isinstance(exc, CaptureLost):
             self._say(f"[harbor] the capture proxy is not answering at {self.capture_url}, the URL every sandbox is "
                       f"given ({exc}): its tunnel or the proxy is down or too slow; no rollout starts until it "
                       f"answers, {window}")
         elif first:
-            self._say(f"[harbor] the Harbor server at {self.harbor_url} is not answering ({exc}) with {running} "
+            self._say(f"[harbor] the Harbor server at {self.harbor_url} is not answering ({exc}) with {waiting} "
                       f"rollouts in flight: they start again in new sessions when it is back, {window}")
         return since + self.retry_window_s - now
 
@@ -1073,66 +1029,58 @@ class HarborSessionFactory(ResourceSessionFactory):
                       "proxy too, where asked); rollouts it lost start again in new sessions")
 
     def record_outcome(self, session: HarborSession) -> None:
-        """The rollout's record, metrics and console line; stops the run (RolloutsFailing, the one stop TRL's rollout
-        loop lets out of `fetch_training_trace()`) on a lost server or a run of unscorable rollouts."""
-        failure, r = session.failure, session.result
+        """The rollout's record (rollouts.jsonl), metrics (onto TRL's queue) and console line; a lost server or a run of
+        unscorable rollouts stops the run (RolloutsFailing: the stop TRL lets out of `fetch_training_trace()`)."""
+        failure, r, harness = session.failure, session.result, session.harness
+        scored = failure is None  # then `r` is the verified result
+        label = f"{self.label} {session.group} task {session.task_index} ({session.task_name})"
         with self._lock:
-            self._consecutive_failures = 0 if failure is None else self._consecutive_failures + 1
+            self._consecutive_failures = 0 if scored else self._consecutive_failures + 1
             count = self._consecutive_failures
-        self._write_record(session)
-        self._push_metrics(session)
+        record = {"time": time.time(), **self.record_fields, "group": session.group, "task": session.task_name,
+                  "index": session.task_index, "harness": harness, "sandbox": self.sandbox,
+                  "reward": r.reward if scored else None, "turns": r.n_turns if r else 0, "wall_s": r.wall_s if r else 0.0,
+                  "budget_stops": r.budget_stop_count if r else 0, "phases": dict(r.phase_timings) if r else {},
+                  "error": failure.kind if failure else None,
+                  "failure": redact(failure.message[:300]) if failure else None, "started": session.started,
+                  "retries": session.retries, "trial": (r.trial_name or None) if r else None,
+                  "exit": agent_exit(r) if scored else None}
+        if self.record_path:
+            with self._lock, open(self.record_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        self._push_metrics(record)
         retried = f", restarted {session.retries}x in a new session" if session.retries else ""
-        if failure is None:
+        if scored:
             phases = "".join(f", {name} {seconds:.1f}s" for name, seconds in r.phase_timings.items())
             stops = f", {r.budget_stop_count} budget stops" if r.budget_stop_count else ""
-            ended = f", agent {agent_exit(r)}" if not r.ok else ""
-            self._say(f"[harbor] {session.label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
-                      f"{session.harness}{phases}{stops}{ended}{retried}")
+            ended = f", agent {record['exit']}" if not r.ok else ""
+            self._say(f"[harbor] {label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
+                      f"{harness}{phases}{stops}{ended}{retried}")
         elif failure.kind == SERVER_GONE:
             raise RolloutsFailing(redact(failure.message))
         else:
-            self._say(f"[harbor] {session.label}: unscorable: {failure.message[:300]} (harness {session.harness}"
-                      f"{retried})")
-        if failure is not None and count >= self.max_consecutive_failures:
+            self._say(f"[harbor] {label}: unscorable: {failure.message[:300]} (harness {harness}{retried})")
+        if not scored and count >= self.max_consecutive_failures:
             raise RolloutsFailing(redact(f"{count} consecutive rollouts were unscorable; the last: "
                                          f"{failure.message[:500]}"))
 
-    def _write_record(self, session: HarborSession) -> None:
-        if not self.record_path:
-            return
-        r, failure = session.result, session.failure
-        scored = r is not None and failure is None
-        record = {
-            "time": time.time(), **self.record_fields, "group": session.group, "task": session.task_name,
-            "index": session.task_index, "harness": session.harness, "sandbox": self.sandbox,
-            "reward": r.reward if scored else None, "turns": r.n_turns if r else 0, "wall_s": r.wall_s if r else 0.0,
-            "budget_stops": r.budget_stop_count if r else 0, "phases": dict(r.phase_timings) if r else {},
-            "error": failure.kind if failure else None, "failure": redact(failure.message[:300]) if failure else None,
-            "started": session.started, "retries": session.retries, "trial": (r.trial_name or None) if r else None,
-            "exit": agent_exit(r) if scored else None,
-        }
-        with self._lock, open(self.record_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def _push_metrics(self, session: HarborSession) -> None:
-        """This rollout's figures onto TRL's metric queue, which the trainer reduces by name into each step's log: a
-        `_total` summed over the step, a (numerator, denominator) pair as a rate."""
+    def _push_metrics(self, record: dict[str, Any]) -> None:
+        """Onto TRL's metric queue, which the trainer reduces by name into each step's log: a `_total` summed over the
+        step, a (numerator, denominator) pair as a rate."""
         if self.metrics_queue is None:
             return
-        r, failure = session.result, session.failure
-        m = {"harbor/rollouts_total": 1.0, "harbor/errors_total": float(failure is not None),
-             "harbor/sandbox_s_total": r.wall_s if r else 0.0,
-             "harbor/budget_stops_total": float(r.budget_stop_count) if r else 0.0}
-        if failure is not None:
-            m[f"harbor/errors/{failure.kind}_total"] = 1.0
+        m = {"harbor/rollouts_total": 1.0, "harbor/errors_total": float(record["error"] is not None),
+             "harbor/sandbox_s_total": record["wall_s"], "harbor/budget_stops_total": float(record["budget_stops"])}
+        if record["error"] is not None:
+            m[f"harbor/errors/{record['error']}_total"] = 1.0
         else:  # TRL's rollout/turns_mean and rollout/duration_s also average the unscorable rollouts, at 0 turns
-            m |= {"harbor/solve_rate": (float(r.reward > 0), 1.0), "harbor/wall_s_mean": (r.wall_s, 1.0),
-                  "harbor/turns_mean": (float(r.n_turns), 1.0)}
-            m |= {f"harbor/phase_s/{name}": (seconds, 1.0) for name, seconds in r.phase_timings.items()}
-            if (ended := agent_exit(r)) != "ok":
-                m[f"harbor/agent_exits/{ended}_total"] = 1.0
+            m |= {"harbor/solve_rate": (float(record["reward"] > 0), 1.0), "harbor/wall_s_mean": (record["wall_s"], 1.0),
+                  "harbor/turns_mean": (float(record["turns"]), 1.0)}
+            m |= {f"harbor/phase_s/{name}": (seconds, 1.0) for name, seconds in record["phases"].items()}
+            if record["exit"] != "ok":
+                m[f"harbor/agent_exits/{record['exit']}_total"] = 1.0
         if self.split_by_harness:
-            m |= {f"harbor/{session.harness}/{key[7:]}": m[key] for key in (
+            m |= {f"harbor/{record['harness']}/{key[7:]}": m[key] for key in (
                 "harbor/rollouts_total", "harbor/errors_total", "harbor/solve_rate", "harbor/wall_s_mean") if key in m}
         with contextlib.suppress(queue.Full):  # never hold a rollout up for a figure, as TRL's own pushes do
             self.metrics_queue.put_nowait(m)
