@@ -694,7 +694,7 @@ POLICY_EXITS = {"AgentTimeoutError": "timeout", "ContextWindowExceededError": "c
 
 
 def agent_exit(r: HarborRolloutResult) -> str | None:
-    """How the agent of a verified rollout ended: "ok", or its POLICY_EXITS kind. None: the rollout is unscorable."""
+    """How a verified rollout's agent ended: "ok", or its POLICY_EXITS kind. None: the rollout is unscorable."""
     if r.reward is None or not r.exception_type:
         return "ok" if r.ok else None
     return POLICY_EXITS.get(r.exception_type)
@@ -744,8 +744,6 @@ class HarborServerSession:
         self._waiting: socket.socket | None = None
 
     def open(self) -> None:
-        if self.closed:
-            raise RuntimeError("session closed")
         if self.session_id is None:
             self.session_id = self._post("openenv/session/create", {})["session_id"]
 
@@ -754,7 +752,7 @@ class HarborServerSession:
         self.open()
         return HarborEnv.run_rollout(self, **kwargs)
 
-    def _call(self, name: str, **arguments: Any) -> Any:
+    def _call(self, name: str, **arguments: Any) -> Any:  # what HarborEnv.run_rollout calls
         result = self._post("tools/call", {"name": name, "arguments": arguments, "session_id": self.session_id}, True)
         if isinstance(result, dict) and result.get("isError"):
             raise RuntimeError(f"tool {name!r} failed: {json.dumps(result.get('content'))[:300]}")
@@ -765,7 +763,7 @@ class HarborServerSession:
         # Failing: the server is gone (its slots went with it) or already dropped the session.
         with contextlib.suppress(OSError, RuntimeError, ValueError):
             if session_id is not None:
-                self._post("openenv/session/close", {"session_id": session_id})
+                self._post("openenv/session/close", {"session_id": session_id}, timeout_s=10)
 
     def cut(self) -> None:
         with self._lock:
@@ -774,15 +772,16 @@ class HarborServerSession:
             with contextlib.suppress(OSError):
                 waiting.shutdown(socket.SHUT_RDWR)
 
-    def _post(self, method: str, params: dict[str, Any], cut: bool = False) -> Any:
+    def _post(self, method: str, params: dict[str, Any], cut: bool = False, timeout_s: float = 0.0) -> Any:
         connection = http.client.HTTPSConnection if self.url.scheme == "https" else http.client.HTTPConnection
-        conn = connection(self.url.hostname, self.url.port, timeout=self.timeout_s if cut else 30)
+        conn = connection(self.url.hostname, self.url.port, timeout=timeout_s or self.timeout_s)
         body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
         try:
             conn.connect()
             # A rollout is one request silent for minutes: without keepalive a NAT on the way drops it unseen.
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
+            if hasattr(socket, "TCP_KEEPIDLE"):  # the idle time before the first probe; Linux's default is 2 h
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
             with self._lock:
                 if cut and self.closed:
                     raise RuntimeError("session closed")
@@ -798,7 +797,9 @@ class HarborServerSession:
             if cut:
                 self._waiting = None
             conn.close()
-        error = reply.get("error") or {}
+        error = reply.get("error")
+        if not error:
+            return reply.get("result")
         message = f"harbor server: {method}: {error.get('message', error)}"
         # openenv 0.10's http_server: a full server's reply is the only one with max_sessions data; a session it never
         # created (or lost in a restart) is "Unknown session_id".
@@ -806,9 +807,7 @@ class HarborServerSession:
             raise ServerFull(message)
         if str(error.get("message", "")).startswith("Unknown session_id"):
             raise ServerLost(message)
-        if error:
-            raise RuntimeError(message)
-        return reply.get("result")
+        raise RuntimeError(message)
 
 
 # Sandboxes that build a task's template on its first use, where rollouts starting together race the build (see
@@ -847,13 +846,14 @@ class HarborSession(ResourceSession):
         with f.running_changed:
             if f.closing:
                 self.close()
+                return 1
             f.running.add(self)
         try:
             alone = f.sandbox not in TEMPLATE_BUILDING_SANDBOXES or FIRST_ROLLOUT.acquire(blocking=False)
             while not alone and not FIRST_ROLLOUT_ENDED.wait(1.0):
                 if self._stopped.is_set():
                     return 1
-            self.failure = None if self._stopped.is_set() else self._run()
+            self.failure = self._run()
             return 0 if self.failure is None and self.result is not None else 1
         finally:
             FIRST_ROLLOUT_ENDED.set()
@@ -868,7 +868,7 @@ class HarborSession(ResourceSession):
         # The proxy takes a training policy only from an engine it captures tokens from; any engine takes an eval one.
         policy = {"purpose": "eval", "eval_sampling": f.eval_sampling} if f.eval_sampling else {"sampling": f.sampling}
         lost, backoff, full_since = False, 1.0, None
-        while True:
+        while not self._stopped.is_set():
             try:
                 f.reach_capture()
                 client.open()
@@ -898,10 +898,10 @@ class HarborSession(ResourceSession):
                                                   "the Harbor server to >= 2 x --max-inflight)")
             except Exception as exc:  # noqa: BLE001 - this rollout's failure, not the server's: judged unscorable
                 return Failure("transport", f"harbor server call failed: {type(exc).__name__}: {exc}")
-            if self._stopped.wait(wait):
-                return None
+            self._stopped.wait(wait)
             client.close()
             backoff = min(2 * backoff, 10.0)
+        return None
 
     def fetch_training_trace(self) -> TrainingTrace:
         from openenv.harbor.contract import to_training_trace
@@ -1039,9 +1039,9 @@ class HarborSessionFactory(ResourceSessionFactory):
             count = self._consecutive_failures
         record = {"time": time.time(), **self.record_fields, "group": session.group, "task": session.task_name,
                   "index": session.task_index, "harness": harness, "sandbox": self.sandbox,
-                  "reward": r.reward if scored else None, "turns": r.n_turns if r else 0, "wall_s": r.wall_s if r else 0.0,
-                  "budget_stops": r.budget_stop_count if r else 0, "phases": dict(r.phase_timings) if r else {},
-                  "error": failure.kind if failure else None,
+                  "reward": r.reward if scored else None, "turns": r.n_turns if r else 0,
+                  "wall_s": r.wall_s if r else 0.0, "budget_stops": r.budget_stop_count if r else 0,
+                  "phases": dict(r.phase_timings) if r else {}, "error": failure.kind if failure else None,
                   "failure": redact(failure.message[:300]) if failure else None, "started": session.started,
                   "retries": session.retries, "trial": (r.trial_name or None) if r else None,
                   "exit": agent_exit(r) if scored else None}
@@ -1074,8 +1074,8 @@ class HarborSessionFactory(ResourceSessionFactory):
         if record["error"] is not None:
             m[f"harbor/errors/{record['error']}_total"] = 1.0
         else:  # TRL's rollout/turns_mean and rollout/duration_s also average the unscorable rollouts, at 0 turns
-            m |= {"harbor/solve_rate": (float(record["reward"] > 0), 1.0), "harbor/wall_s_mean": (record["wall_s"], 1.0),
-                  "harbor/turns_mean": (float(record["turns"]), 1.0)}
+            m |= {"harbor/solve_rate": (float(record["reward"] > 0), 1.0),
+                  "harbor/wall_s_mean": (record["wall_s"], 1.0), "harbor/turns_mean": (float(record["turns"]), 1.0)}
             m |= {f"harbor/phase_s/{name}": (seconds, 1.0) for name, seconds in record["phases"].items()}
             if record["exit"] != "ok":
                 m[f"harbor/agent_exits/{record['exit']}_total"] = 1.0
@@ -1191,6 +1191,7 @@ class EmbeddedHarborServer:
             "--capture-port", str(self.capture_port), "--expose", a.harbor_expose,
             "--max-output-tokens", str(a.max_completion_length)] + (["--model", served_model] if served_model else [])
         slots = max(2 * a.max_inflight, int(os.environ.get("MAX_CONCURRENT_ENVS", "0") or 0))
+        env = {**os.environ, **harbor_server_env(), "MAX_CONCURRENT_ENVS": str(slots)}
         t0 = time.monotonic()
         with self.log_path.open("a") as log:
             log.write(f"\n===== {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: {shlex.join(cmd)}\n")
@@ -1200,8 +1201,7 @@ class EmbeddedHarborServer:
                 # PR_SET_PDEATHSIG (prctl 1): the kernel sends the server SIGTERM when its parent thread ends, even by
                 # SIGKILL or OOM, when no cleanup of ours runs.
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env={**os.environ, **harbor_server_env(), "MAX_CONCURRENT_ENVS": str(slots)},
-                                             start_new_session=True,
+                                             env=env, start_new_session=True,
                                              preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGTERM))
             except OSError as exc:
                 raise UsageError(f"cannot start the Harbor server `{shlex.join(cmd[:4])}` ({exc.strerror}); "
