@@ -926,9 +926,7 @@ class HarborSession(ResourceSession):
 
 class HarborSessionFactory(ResourceSessionFactory):
     """One `HarborSession` per rollout; built in TRL's rollout child as `factory(sampling=...)`, `sampling` being the
-    trainer's own policy. `capture_url`: the capture proxy as every sandbox reaches it ("": a server of yours).
-    Stops training (RolloutsFailing) after --max-consecutive-failures unscorable rollouts in a row, or a Harbor server
-    or capture proxy gone for --harbor-retry-window."""
+    trainer's own policy. `capture_url`: the capture proxy as every sandbox reaches it ("": a server of yours)."""
 
     def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
                  agent_timeout_s: float, max_consecutive_failures: int, retry_window_s: float = 300.0,
@@ -1015,11 +1013,11 @@ class HarborSessionFactory(ResourceSessionFactory):
         return since + self.retry_window_s - now
 
     def gone(self, exc: ServerLost) -> str:
-        if isinstance(exc, CaptureLost):
-            return (f"the capture proxy has not answered at {self.capture_url}, the URL every sandbox is given, for "
-                    f"{self.retry_window_s:g}s (last: {exc}): its tunnel or the proxy died, and openenv cannot reopen "
-                    "either; a relaunch starts a new server and tunnel")
-        return f"the Harbor server at {self.harbor_url} has not answered for {self.retry_window_s:g}s (last: {exc})"
+        if not isinstance(exc, CaptureLost):
+            return f"the Harbor server at {self.harbor_url} has not answered for {self.retry_window_s:g}s (last: {exc})"
+        return (f"the capture proxy has not answered at {self.capture_url}, the URL every sandbox is given, for "
+                f"{self.retry_window_s:g}s (last: {exc}): its tunnel or the proxy died, and openenv cannot reopen "
+                "either; a relaunch starts a new server and tunnel")
 
     def server_answered(self) -> None:
         with self._lock:
