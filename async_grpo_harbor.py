@@ -1189,12 +1189,12 @@ class EmbeddedHarborServer:
             "--capture-port", str(self.capture_port), "--expose", a.harbor_expose,
             "--max-output-tokens", str(a.max_completion_length)] + (["--model", served_model] if served_model else [])
         slots = max(2 * a.max_inflight, int(os.environ.get("MAX_CONCURRENT_ENVS", "0") or 0))
-        env = {**os.environ, **harbor_server_env(), "MAX_CONCURRENT_ENVS": str(slots)}
         t0 = time.monotonic()
         with self.log_path.open("a") as log:
             log.write(f"\n===== {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: {shlex.join(cmd)}\n")
             log.flush()
             started_at = log.tell()
+            env = {**os.environ, **harbor_server_env(), "MAX_CONCURRENT_ENVS": str(slots)}  # a refusal shows the log
             try:
                 # PR_SET_PDEATHSIG (prctl 1): the kernel sends the server SIGTERM when its parent thread ends, even by
                 # SIGKILL or OOM, when no cleanup of ours runs.
