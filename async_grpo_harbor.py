@@ -505,27 +505,16 @@ def task_rows(tasks: list[dict[str, Any]], split: str, harnesses: list[str]) -> 
 
 # --- Session factory: one Harbor rollout per TRL session --------------------------------------------------------------
 def rollout_budget_s(agent_timeout: float) -> float:
-    """How long one `run_rollout` call may take: the agent's timeout (0: the task's own, at most an hour), plus
-    sandbox setup and verification."""
+    """How long one rollout may take: the agent's timeout (0: the task's own, at most an hour), setup, verification."""
     return (agent_timeout or 3600.0) + 1800.0
 
 
 class ServerLost(ConnectionError):
-    """The Harbor server stopped answering, or answered that it does not know our session: it was stopped or
-    restarted, and the rollout's sandbox went with it. `answered`: the server is up again (it said so itself)."""
-
-    def __init__(self, message: str, answered: bool = False):
-        super().__init__(message)
-        self.answered = answered
+    """The Harbor server stopped answering, or no longer knows our session: the rollout's sandbox went with it."""
 
 
 class CaptureLost(ServerLost):
-    """The capture proxy does not answer at the URL every sandbox is given: its tunnel or the proxy died, so a harness
-    started now could reach no model. Waited for as a lost server is (one window); openenv cannot reopen a tunnel."""
-
-    def __init__(self, message: str, url: str):
-        super().__init__(message)
-        self.url = url
+    """The capture proxy does not answer at the URL every sandbox is given: a harness started now reaches no model."""
 
 
 class ServerFull(RuntimeError):
@@ -533,40 +522,30 @@ class ServerFull(RuntimeError):
 
 
 class Failure(NamedTuple):
-    """Why a rollout is unscorable: `kind` is the countable name (`harbor/errors/<kind>_total`), `message` the reason."""
+    """Why a rollout is unscorable: `kind` counts it (`harbor/errors/<kind>_total`), `message` says why."""
 
     kind: str
     message: str
 
 
-# The kind of the failure that stops the run at once, whatever --max-consecutive-failures says.
-SERVER_GONE = "server_unreachable"
-
-
-# How an agent may end and still be trained at the reward Harbor's verifier gave it (Harbor verifies after any
-# AgentTimeoutError or NonZeroAgentExitCodeError, subclasses included: harbor/trial/single_step.py): the ends the
-# policy brings about itself. It looped until --agent-timeout, or it talked past the context or the output cap, as a
-# completion truncated at --max-completion-length is trained. Every other exception Harbor verified after is the
-# harness or the inference path failing, not the policy: NonZeroAgentExitCodeError's subclasses (ApiError and its
-# kin, NetworkConnectionError, AgentAuthenticationError, ModelNotFoundError, ...), which Harbor picks from the agent's
-# output, and a plain NonZeroAgentExitCodeError, which is how mini-swe-agent (litellm) reaches Harbor when vLLM
-# answers 5xx, drops the connection or is gone (Harbor's patterns do not know litellm's messages; seen on the rig).
+SERVER_GONE = "server_unreachable"  # the failure kind that stops the run at once
+# The agent ends the policy brings about itself, trained at the verifier's reward (Harbor verifies after any
+# AgentTimeoutError or NonZeroAgentExitCodeError: harbor/trial/single_step.py): it looped until --agent-timeout, or
+# talked past the context or the output cap. Any other end is the harness or the inference path failing (a plain
+# NonZeroAgentExitCodeError is how mini-swe-agent reports a vLLM that answers 5xx or is gone): not the policy's reward.
 POLICY_EXITS = {"AgentTimeoutError": "timeout", "ContextWindowExceededError": "context_window",
                 "OutputTokenExceededError": "output_tokens"}
 
 
 def agent_exit(r: HarborRolloutResult) -> str | None:
-    """How the agent ended, for a rollout the verifier scored: "ok", or the POLICY_EXITS kind of its end. None: the
-    rollout is unscorable (an exception without a reward, or one that is not the policy's: `judge_rollout`)."""
+    """How a verified rollout's agent ended: "ok", or its POLICY_EXITS kind. None: the rollout is unscorable."""
     if r.reward is None or not r.exception_type:
         return "ok" if r.ok else None
     return POLICY_EXITS.get(r.exception_type)
 
 
 def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, reward_key: str) -> Failure | None:
-    """Why a finished `run_rollout` cannot be trained on (None: it can). Training, --eval-only and the probe judge
-    every result here. A rollout whose agent ended in one of POLICY_EXITS is scored like any other when the verifier
-    scored it and its capture is valid: a policy that loops until --agent-timeout earns its reward, not a pass."""
+    """Why a finished rollout cannot be trained on (None: it can), for training, --eval-only and the probe alike."""
     if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
         return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
                                      f"{', '.join(sorted(r.rewards))}")
@@ -575,17 +554,17 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
         # OpenEnv skips these two capture checks once the agent's failure has set ok=False (openenv/harbor/rollout.py).
         why = "trace reconciliation MISMATCH" if r.atif == "MISMATCH" else "no trainable token"
         return Failure("capture", f"the agent ended with {r.exception_type} and its capture is not trainable ({why})")
+    budget = next((x for x in r.findings if "context_budget_exhausted" in x), None)
+    if exit_kind is None and budget and "no_turns" in (r.error or ""):
+        # vLLM refuses a call whose prompt + max_tokens exceed its context (HTTP 400); the proxy turns that into a stop
+        # the agent obeys, and the rollout's own error then blames the base URL.
+        return Failure("context", f"vLLM refused the agent's first call as too long for its context ({budget[:240]}): "
+                                  "the Harbor server's --max-output-tokens (this script's --max-completion-length) "
+                                  "plus the task's prompt must fit vLLM's --max-model-len")
+    if exit_kind is None and r.reward is not None and r.exception_type:
+        return Failure(r.exception_type, f"{r.exception_type}: the agent's harness or its engine failed, so the "
+                                         f"verifier's reward {r.reward:g} is not the policy's: {r.error}")
     if exit_kind is None:
-        budget = next((x for x in r.findings if "context_budget_exhausted" in x), None)
-        if budget and "no_turns" in (r.error or ""):
-            # Seen on a real vLLM: it refuses a call whose prompt + max_tokens exceed its context (HTTP 400), the
-            # proxy turns that into a stop the agent obeys, and the rollout's own error then blames the base URL.
-            return Failure("context", f"vLLM refused the agent's first call as too long for its context "
-                                      f"({budget[:240]}): the Harbor server's --max-output-tokens (this script's "
-                                      "--max-completion-length) plus the task's prompt must fit vLLM's --max-model-len")
-        if r.reward is not None and r.exception_type:
-            return Failure(r.exception_type, f"{r.exception_type}: the agent's harness or its engine failed, so the "
-                                             f"verifier's reward {r.reward:g} is not the policy's: {r.error}")
         return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}")
     if r.rollout_type != "train" and require_tokens:
         return Failure("eval_tier", "the engine returned no token ids / processed logprobs (eval tier): restart vLLM "
@@ -593,188 +572,105 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
     fatal = next((x for x in r.findings if "[FATAL" in x), None)
     if fatal:
         return Failure("capture", f"capture finding {fatal}")
-    if r.reward is None:
-        return Failure("no_reward", "the verifier produced no reward")
-    return None
+    return Failure("no_reward", "the verifier produced no reward") if r.reward is None else None
 
 
 class HarborServerSession:
-    """One server session on `openenv harbor serve`, spoken over HTTP MCP (`POST /mcp`).
-
-    Why not `HarborEnv`'s websocket: the server reads a websocket close only after the running tool returns, so a
-    session stopped mid-rollout keeps its server slot until the trial ends (with no session timeout, the next run
-    then fails with "Server at capacity"), and `HarborEnv.close()` blocks ~10 s on the handshake. An HTTP session is
-    released at once by `openenv/session/close`, and shutting down our socket unblocks the waiting thread.
-    """
+    """One session slot on `openenv harbor serve`, over HTTP MCP: `open()` takes it and `close()` frees it, in the
+    thread that uses it; `cut()`, from any thread, ends the call in flight at once. Not `HarborEnv`'s websocket: the
+    server reads its close only once the running rollout returns, leaving the next run "Server at capacity"."""
 
     def __init__(self, base_url: str, timeout_s: float):
-        url = urllib.parse.urlsplit(base_url)
-        conn_cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-        self._connect = functools.partial(conn_cls, url.hostname, url.port, timeout=timeout_s)
-        self._prefix = url.path.rstrip("/")
-        self._lock = threading.Lock()
-        self._waiting: http.client.HTTPConnection | None = None
+        self.url, self.timeout_s = urllib.parse.urlsplit(base_url), timeout_s
         self.session_id: str | None = None
         self.closed = False
-        self.closed_event = threading.Event()
-        self._slot_calls = 0  # create and close calls in flight: each may hold a server slot until it returns
-        self.settled = threading.Event()  # set while none is: once closed, this session then holds no server slot
-        self.settled.set()
-
-    def _begin_slot_call(self) -> None:  # with self._lock held
-        self._slot_calls += 1
-        self.settled.clear()
-
-    def _end_slot_call(self) -> None:
-        with self._lock:
-            self._slot_calls -= 1
-            if not self._slot_calls:
-                self.settled.set()
-
-    def _open_connection(self, **overrides: Any) -> http.client.HTTPConnection:
-        conn = self._connect(**overrides)
-        conn.connect()
-        # A rollout is one request that stays silent for minutes; without keepalive a NAT or load balancer on the
-        # way drops it unseen and the thread waits out the whole timeout.
-        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
-            if hasattr(socket, option):
-                conn.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-        return conn
-
-    def _post(self, conn: http.client.HTTPConnection, method: str, params: dict[str, Any]) -> Any:
-        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
-        try:
-            conn.request("POST", f"{self._prefix}/mcp", body, {"Content-Type": "application/json"})
-            raw = conn.getresponse().read()
-        except (OSError, http.client.HTTPException) as exc:
-            if isinstance(exc, TimeoutError) and exc.errno is None:
-                raise  # our own timeout: the rollout outlived its budget, the server may well be up
-            # The server went away mid-call: killed, restarted, or its host gone (the keepalive's ETIMEDOUT).
-            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
-        reply = json.loads(raw or b"{}")
-        error = reply.get("error")
-        if error:
-            message = f"harbor server: {method}: {error.get('message', error)}"
-            # openenv 0.10's http_server: a session it never created (or lost in a restart) is "Unknown session_id"
-            # (INVALID_PARAMS); a full server is SessionCapacityError's reply, the only one with max_sessions data.
-            if str(error.get("message", "")).startswith("Unknown session_id"):
-                raise ServerLost(message, answered=True)
-            if "max_sessions" in (error.get("data") or {}):
-                raise ServerFull(message)
-            raise RuntimeError(message)
-        return reply.get("result")
-
-    def _call_once(self, method: str, params: dict[str, Any], interruptible: bool) -> Any:
-        # Connected before it is published, so close() always finds a socket it can shut down.
-        try:
-            conn = self._open_connection()
-        except OSError as exc:
-            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
-        try:
-            with self._lock:
-                if self.closed:
-                    raise RuntimeError("session closed")
-                if interruptible:
-                    self._waiting = conn
-            return self._post(conn, method, params)
-        finally:
-            with self._lock:
-                self._waiting = None
-            conn.close()
+        self._lock = threading.Lock()  # between a call publishing its socket and cut() shutting it
+        self._waiting: socket.socket | None = None
 
     def open(self) -> None:
-        if self.session_id is not None:
-            return
-        with self._lock:
-            self._begin_slot_call()
-        try:
-            session_id = self._call_once("openenv/session/create", {}, interruptible=False)["session_id"]
-            with self._lock:
-                self.session_id = session_id
-                closed = self.closed
-                if closed:
-                    self._begin_slot_call()
-            if closed:  # close() ran while the slot was being created: it could not release what it did not know
-                self._release(session_id)
-        finally:
-            self._end_slot_call()
+        if self.session_id is None:
+            self.session_id = self._post("openenv/session/create", {})["session_id"]
 
-    def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
-        self.open()
-        return self._call_once("tools/call", {"name": name, "arguments": arguments, "session_id": self.session_id},
-                               interruptible=True)
-
-    def close(self) -> None:
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            waiting = self._waiting.sock if self._waiting is not None else None
-            session_id = self.session_id
-            if session_id is not None:
-                self._begin_slot_call()
-        self.closed_event.set()
-        if waiting is not None:
-            with contextlib.suppress(OSError):
-                waiting.shutdown(socket.SHUT_RDWR)
-        if session_id is not None:
-            self._release(session_id)
-
-    def renew(self) -> None:
-        """Drop this session (the server lost it, or may still hold it: release it) so the next call opens a new one."""
-        with self._lock:
-            session_id, self.session_id = self.session_id, None
-            if session_id is not None:
-                self._begin_slot_call()
-        if session_id is not None:
-            self._release(session_id)
-
-    def _release(self, session_id: str) -> None:
-        """Free the server slot of `session_id`. The caller counted this as a slot call (`_begin_slot_call`) under the
-        same lock that gave it the id, so `settled` never reads free before the slot is."""
-        try:
-            # Failing: the server is gone (its slots went with it) or already dropped the session.
-            with contextlib.suppress(OSError, RuntimeError, ValueError):
-                conn = self._open_connection(timeout=10)
-                try:
-                    self._post(conn, "openenv/session/close", {"session_id": session_id})
-                finally:
-                    conn.close()
-        finally:
-            self._end_slot_call()
-
-    # `HarborEnv.run_rollout` (its exact wire contract) with its MCP calls riding this session. Not a `HarborEnv`
-    # instance: its constructor builds an httpx client a rollout never uses, ~20 ms of CPU per rollout (TLS context).
     def run_rollout(self, **kwargs: Any) -> HarborRolloutResult:
+        """HarborEnv's own wire contract on this session (a HarborEnv builds an httpx client a rollout never uses)."""
+        self.open()
         return HarborEnv.run_rollout(self, **kwargs)
 
-    def _call(self, name: str, **kwargs: Any) -> Any:
-        result = self.call_tool(name, kwargs)
+    def _call(self, name: str, **arguments: Any) -> Any:  # what HarborEnv.run_rollout calls
+        result = self._post("tools/call", {"name": name, "arguments": arguments, "session_id": self.session_id}, True)
         if isinstance(result, dict) and result.get("isError"):
             raise RuntimeError(f"tool {name!r} failed: {json.dumps(result.get('content'))[:300]}")
         return result
 
+    def close(self) -> None:
+        session_id, self.session_id = self.session_id, None
+        # Failing: the server is gone (its slots went with it) or already dropped the session.
+        with contextlib.suppress(OSError, RuntimeError, ValueError):
+            if session_id is not None:
+                self._post("openenv/session/close", {"session_id": session_id}, timeout_s=10)
+
+    def cut(self) -> None:
+        with self._lock:
+            self.closed, waiting = True, self._waiting
+        if waiting is not None:
+            with contextlib.suppress(OSError):
+                waiting.shutdown(socket.SHUT_RDWR)
+
+    def _post(self, method: str, params: dict[str, Any], cut: bool = False, timeout_s: float = 0.0) -> Any:
+        connection = http.client.HTTPSConnection if self.url.scheme == "https" else http.client.HTTPConnection
+        conn = connection(self.url.hostname, self.url.port, timeout=timeout_s or self.timeout_s)
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
+        try:
+            conn.connect()
+            # A rollout is one request silent for minutes: without keepalive a NAT on the way drops it unseen.
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            if hasattr(socket, "TCP_KEEPIDLE"):  # the idle time before the first probe; Linux's default is 2 h
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
+            with self._lock:
+                if cut and self.closed:
+                    raise RuntimeError("session closed")
+                if cut:
+                    self._waiting = conn.sock
+            conn.request("POST", f"{self.url.path.rstrip('/')}/mcp", body, {"Content-Type": "application/json"})
+            reply = json.loads(conn.getresponse().read() or b"{}")
+        except (OSError, http.client.HTTPException) as exc:
+            if isinstance(exc, TimeoutError) and exc.errno is None:
+                raise  # our own timeout: the rollout outlived its budget, the server may well be up
+            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if cut:
+                self._waiting = None
+            conn.close()
+        error = reply.get("error")
+        if not error:
+            return reply.get("result")
+        message = f"harbor server: {method}: {error.get('message', error)}"
+        # openenv 0.10's http_server: a full server's reply is the only one with max_sessions data; a session it never
+        # created (or lost in a restart) is "Unknown session_id".
+        if "max_sessions" in (error.get("data") or {}):
+            raise ServerFull(message)
+        if str(error.get("message", "")).startswith("Unknown session_id"):
+            raise ServerLost(message)
+        raise RuntimeError(message)
+
+
+# Sandboxes that build a task's template on its first use, where rollouts starting together race the build (see
+# SHARED_TEMPLATE_NAME): the first rollout of a process (it takes FIRST_ROLLOUT for good) starts alone.
+TEMPLATE_BUILDING_SANDBOXES = {"e2b"}
+FIRST_ROLLOUT, FIRST_ROLLOUT_ENDED = threading.Lock(), threading.Event()
+
 
 class HarborSession(ResourceSession):
-    """One rollout: the harness runs on the server, we only wait for its result.
-
-    Satisfies OpenEnv's `TrainableSession`: `wait_for_completion()` runs the rollout, `fetch_training_trace()` hands
-    TRL the validated token capture, `verify()` forwards the verifier's reward. A failed rollout is unscorable
-    (reward None), never fatal; only a run of them, or a Harbor server gone for longer than --harbor-retry-window,
-    stops training (`HarborSessionFactory._stop_run`). A rollout its server lost starts again in a new session.
-    """
+    """One rollout, as OpenEnv's `TrainableSession`: `wait_for_completion()` runs it in a server session of its own,
+    `fetch_training_trace()` hands TRL the validated capture, `verify()` the verifier's reward. A failed rollout is
+    unscorable, never fatal; a rollout its server lost starts again in a new session."""
 
     def __init__(self, factory: HarborSessionFactory, prompt: list[dict[str, Any]], group: int | None):
-        self._factory = factory
-        self._prompt = prompt
-        self._split = prompt[0]["harbor_split"]
-        self._task_index = int(prompt[0]["harbor_task_index"])
-        self.task_name = prompt[0]["harbor_task_name"]
+        self._factory, self._prompt, self.group = factory, prompt, group
+        self.task_name, self.task_index = prompt[0]["harbor_task_name"], int(prompt[0]["harbor_task_index"])
         self.harness = prompt[0].get("harbor_harness") or factory.harness
-        self.group = group
-        self.label = f"{factory.label} {group} task {self._task_index} ({self.task_name})"
         self._client = HarborServerSession(factory.harbor_url, factory.request_timeout_s)
+        self._stopped = threading.Event()
         self.result: HarborRolloutResult | None = None
         self.failure: Failure | None = None
         self.started = 0.0
@@ -791,116 +687,90 @@ class HarborSession(ResourceSession):
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         f = self._factory
-        if not f.first_rollout_done(self):
-            return 1
+        with f.running_changed:
+            if f.closing:
+                self.close()
+                return 1
+            f.running.add(self)
         try:
-            return self._run()
+            alone = f.sandbox not in TEMPLATE_BUILDING_SANDBOXES or FIRST_ROLLOUT.acquire(blocking=False)
+            while not alone and not FIRST_ROLLOUT_ENDED.wait(1.0):
+                if self._stopped.is_set():
+                    return 1
+            self.failure = self._run()
+            return 0 if self.failure is None and self.result is not None else 1
         finally:
-            f.pioneer_done(self)
+            FIRST_ROLLOUT_ENDED.set()
+            self._client.close()  # this thread alone takes and frees the slot: none is left behind
+            with f.running_changed:
+                f.running.discard(self)
+                f.running_changed.notify_all()
 
-    def _run(self) -> int:
-        f, session = self._factory, self._client
+    def _run(self) -> Failure | None:
+        f, client = self._factory, self._client
         self.started = time.time()
-        # The proxy accepts a training policy only from an engine it captures tokens from; any engine takes an eval one.
+        # The proxy takes a training policy only from an engine it captures tokens from; any engine takes an eval one.
         policy = {"purpose": "eval", "eval_sampling": f.eval_sampling} if f.eval_sampling else {"sampling": f.sampling}
         lost, backoff, full_since = False, 1.0, None
-        while True:
+        while not self._stopped.is_set():
             try:
                 f.reach_capture()
-                if session.closed:  # stopped while the tunnel answered (up to its 30 s timeout)
-                    return 1
-                session.open()
+                client.open()
                 f.server_answered()
-                self.retries += lost
-                lost = False
-                self.result = session.run_rollout(
-                    split=self._split, task_index=self._task_index, harness=self.harness, sandbox=f.sandbox,
-                    reward_key=f.reward_key, agent_timeout_sec=f.agent_timeout_s,
-                    agent_step_limit=f.agent_step_limit, **policy,
-                )
-                break
+                self.retries, lost = self.retries + lost, False
+                self.result = client.run_rollout(
+                    split=self._prompt[0]["harbor_split"], task_index=self.task_index, harness=self.harness,
+                    sandbox=f.sandbox, reward_key=f.reward_key, agent_timeout_sec=f.agent_timeout_s,
+                    agent_step_limit=f.agent_step_limit, **policy)
+                return judge_rollout(self.result, self.task_name, require_tokens=f.require_tokens,
+                                     reward_key=f.reward_key)
             except ServerLost as exc:
-                # Stopped or restarted: the sandbox went with the session, so the rollout starts again in a new
-                # one once the server answers. The run waits for it once (one window for all rollouts), not per
-                # rollout, and never counts these toward --max-consecutive-failures.
-                if session.closed:
-                    return 1
-                lost = not isinstance(exc, CaptureLost)  # that one never started: nothing to start again
-                left = f.server_lost(exc)
-                if left <= 0:
-                    self.failure = Failure(SERVER_GONE, (
-                        f"the capture proxy has not answered at {exc.url}, the URL every sandbox is given, for "
-                        f"{f.retry_window_s:g}s (last: {exc}): its tunnel or the proxy died, and openenv cannot reopen "
-                        "either; a relaunch starts a new server and tunnel") if isinstance(exc, CaptureLost) else (
-                        f"the Harbor server at {f.harbor_url} has not answered for {f.retry_window_s:g}s (last: "
-                        f"{exc})"))
-                    return 1
-                wait = min(backoff, left)
+                # Its sandbox went with the session: the rollout starts again in a new one once the server answers,
+                # within one window for the whole run, never counted toward --max-consecutive-failures.
+                if self._stopped.is_set():
+                    return None
+                lost = lost or not isinstance(exc, CaptureLost)  # a rollout the capture check held never started
+                wait = min(backoff, f.server_lost(exc))
+                if wait <= 0:
+                    return Failure(SERVER_GONE, f.gone(exc))
             except ServerFull as exc:
                 f.server_answered()
-                if session.closed:
-                    return 1
                 full_since = full_since or time.monotonic()
                 wait = min(backoff, full_since + f.retry_window_s - time.monotonic())
                 if wait <= 0:
-                    self.failure = Failure("server_full", f"harbor server call failed: {exc} (raise "
-                                                          "MAX_CONCURRENT_ENVS on the Harbor server to >= 2 x "
-                                                          "--max-inflight)")
-                    return 1
+                    return Failure("server_full", f"harbor server call failed: {exc} (raise MAX_CONCURRENT_ENVS on "
+                                                  "the Harbor server to >= 2 x --max-inflight)")
             except Exception as exc:  # noqa: BLE001 - this rollout's failure, not the server's: judged unscorable
-                self.failure = Failure("transport", f"harbor server call failed: {type(exc).__name__}: {exc}")
-                return 1
-            if session.closed_event.wait(wait):
-                return 1
-            session.renew()
+                return Failure("transport", f"harbor server call failed: {type(exc).__name__}: {exc}")
+            self._stopped.wait(wait)
+            client.close()
             backoff = min(2 * backoff, 10.0)
-        self.failure = judge_rollout(self.result, self.task_name, require_tokens=f.require_tokens,
-                                     reward_key=f.reward_key)
-        return 0 if self.failure is None else 1
+        return None
 
     def fetch_training_trace(self) -> TrainingTrace:
         from openenv.harbor.contract import to_training_trace
 
-        if self._client.closed:
+        if self._stopped.is_set():
             return TrainingTrace(turns=[])  # abandoned at stop: neither a sample nor a failure
-        if self.failure is None:
-            try:
-                trace = to_training_trace(self.result)
-            except (ValueError, TypeError, KeyError) as exc:
-                # One malformed capture is this rollout's problem, not the run's: TRL stops its worker on any of these.
-                self.failure = Failure("capture", f"capture rejected: {exc}")
+        try:
+            trace = to_training_trace(self.result) if self.failure is None else TrainingTrace(turns=[])
+        except (ValueError, TypeError, KeyError) as exc:  # TRL would stop its worker on any of these
+            self.failure, trace = Failure("capture", f"capture rejected: {exc}"), TrainingTrace(turns=[])
         self._factory.record_outcome(self)
-        return TrainingTrace(turns=[]) if self.failure is not None else trace
+        return trace
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
-        if self.failure is not None or self.result is None:
-            return VerifyResult(env_reward=None, done=True,
-                                metrics={"failure": self.failure.message if self.failure else None})
-        r = self.result
-        return VerifyResult(env_reward=r.reward, done=True,
-                            metrics={"wall_s": r.wall_s, "turns": r.n_turns, **r.phase_timings})
+        return VerifyResult(env_reward=None if self.failure or self.result is None else self.result.reward, done=True)
 
     def close(self) -> None:
-        self._client.close()
-        # Only once released: a stop waits on every live session's `settled`, this one's release included.
-        self._factory.live_sessions.discard(self)
-
-
-# Sandboxes that build a task's template on its first use, where rollouts starting together race the build (see
-# SHARED_TEMPLATE_NAME): a factory's first rollout starts alone, the others once it has ended, its template built.
-TEMPLATE_BUILDING_SANDBOXES = {"e2b"}
-# The sandboxes whose first rollout has ended in this process: a later factory here (each held-out eval's) finds the
-# template built and starts its rollouts together.
-TEMPLATES_BUILT: set[str] = set()
+        """From any thread: stop the rollout; its own thread frees its slot on the way out."""
+        self._stopped.set()
+        self._client.cut()
 
 
 class HarborSessionFactory(ResourceSessionFactory):
-    """Creates one `HarborSession` per rollout. Built inside TRL's rollout child as `factory(sampling=...)`.
-
-    `sampling` is the trainer's own policy (temperature), forwarded to every `run_rollout` so the proxy samples at
-    the temperature the trainer scores at. `capture_url`: the capture proxy as every sandbox is told to reach it,
-    asked before each rollout starts its sandbox ("": not known here, a server of the user's own).
-    """
+    """One `HarborSession` per rollout; built in TRL's rollout child as `factory(sampling=...)`, `sampling` being the
+    trainer's own policy. `capture_url`: the capture proxy as every sandbox reaches it ("": a server of yours)."""
 
     def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
                  agent_timeout_s: float, max_consecutive_failures: int, retry_window_s: float = 300.0,
@@ -908,133 +778,90 @@ class HarborSessionFactory(ResourceSessionFactory):
                  eval_sampling: dict[str, Any] | None = None, label: str = "group", split_by_harness: bool = False,
                  record_fields: dict[str, Any] | None = None, capture_url: str = ""):
         self.harbor_url, self.harness, self.sandbox, self.reward_key = harbor_url, harness, sandbox, reward_key
-        self.capture_url = capture_url
-        self._pioneer: HarborSession | None = None  # the first rollout, alone where the sandbox builds templates
-        self._pioneer_ended = threading.Event()
-        if sandbox not in TEMPLATE_BUILDING_SANDBOXES or sandbox in TEMPLATES_BUILT:
-            self._pioneer_ended.set()
-        self.agent_step_limit, self.agent_timeout_s = agent_step_limit, agent_timeout_s
+        self.capture_url, self.agent_step_limit, self.agent_timeout_s = capture_url, agent_step_limit, agent_timeout_s
         self.request_timeout_s, self.retry_window_s = rollout_budget_s(agent_timeout_s), retry_window_s
         self.max_consecutive_failures, self.split_by_harness = max_consecutive_failures, split_by_harness
-        self.sampling = dict(sampling or {})
-        # False for --eval-only: a rollout of an engine without token ids is measurable, just not trainable.
-        self.require_tokens = require_tokens
-        self.eval_sampling = dict(eval_sampling or {})
+        self.sampling, self.eval_sampling = dict(sampling or {}), dict(eval_sampling or {})
+        self.require_tokens = require_tokens  # False for --eval-only: an engine without token ids is measurable
         self.label = label  # what a rollout's console line calls its unit: a training group, a held-out eval's task
-        self.record_path = record_path  # one JSON line per finished rollout, for the user to read
-        self.record_fields = dict(record_fields or {})  # on every record: a held-out eval's optimizer step
+        self.record_path, self.record_fields = record_path, dict(record_fields or {})
         self.metrics_queue: Any = None  # TRL's, set by the rollout loop that owns this factory in TRL's child
         self._lock = threading.Lock()
         self._consecutive_failures = 0
-        self._outage_since: float | None = None  # since when the server has not answered (monotonic)
-        self.live_sessions: set[HarborSession] = set()
+        self._outage_since: float | None = None  # since when the server or the capture proxy has not answered
+        self.running: set[HarborSession] = set()  # inside wait_for_completion: each may hold a server slot
+        self.running_changed = threading.Condition()  # never taken by the main thread, where _abandon runs
         self.closing = False
         if multiprocessing.parent_process() is not None and threading.current_thread() is threading.main_thread():
-            self._guard_rollout_child()
+            self._leave_with_trainer()
 
-    def _guard_rollout_child(self) -> None:
-        """Make TRL's rollout child leave only through the trainer, or release its server sessions on the way out.
-
-        Ctrl-C and SLURM signal the whole process group: a child dying on them strands its server sessions (slots that
-        the next run needs) while the trainer is still winding down. A child whose trainer was killed outright would
-        otherwise go on starting paid sandboxes with nobody to train on them.
-        """
+    def _leave_with_trainer(self) -> None:
+        """In TRL's rollout child: leave only through the trainer, every server slot freed. Ctrl-C and SLURM signal the
+        whole process group; a child whose trainer died (SIGKILL, OOM) would go on starting paid sandboxes."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the trainer's stop request; it stops us when it is ready
         signal.signal(signal.SIGTERM, lambda signum, frame: self._abandon(128 + signum))
-        # The trainer holds the other end of this pipe, which reads as closed once it is gone however it died (SIGKILL,
-        # OOM), already closed included.
         import multiprocessing.connection
 
-        def leave_with_trainer(trainer=multiprocessing.parent_process().sentinel) -> None:
+        def watch(trainer=multiprocessing.parent_process().sentinel) -> None:  # reads as closed once it is gone
             multiprocessing.connection.wait([trainer])
             os.kill(os.getpid(), signal.SIGTERM)  # _abandon, in the main thread: no rollout starts meanwhile
 
-        threading.Thread(target=leave_with_trainer, name="harbor-trainer-watch", daemon=True).start()
+        threading.Thread(target=watch, name="harbor-trainer-watch", daemon=True).start()
 
     def _abandon(self, exit_code: int) -> None:
-        # A second SIGTERM (the trainer's own stop, a second `kill`) would run this again inside the wait below, and
-        # exit before the releases the first one is waiting for.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        sessions = self.close_sessions()
-        # A create or release still in flight ends with the slot free; os._exit would cut it short, and a trainer
-        # SIGKILLed as the next group starts would leave the server's slots taken.
-        deadline = time.monotonic() + 10.0
-        for session in sessions:
-            session._client.settled.wait(max(0.0, deadline - time.monotonic()))
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one would exit before the slots below are free
+        self.close_sessions()
+        with self.running_changed:
+            self.running_changed.wait_for(lambda: not self.running, timeout=10.0)
         os._exit(exit_code)
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:
         # `seed` is TRL's group counter: only a label here, the task itself comes from the prompt.
-        session = HarborSession(self, list(task), seed)
-        self.live_sessions.add(session)
-        if self.closing:  # read after the add: close_sessions() either closes this session or set the flag first
-            session.close()
-        return session
+        return HarborSession(self, list(task), seed)
 
-    def close_sessions(self) -> list[HarborSession]:
-        """Release the server session of every rollout, and close any session created from now on at once: a rollout
-        submitted as the stop began creates its session after this snapshot. The factory is done with after this."""
-        self.closing = True
-        sessions = list(self.live_sessions)
-        for session in sessions:
+    def close_sessions(self) -> None:
+        """Stop every running rollout (each frees its slot as it ends) and every one that would start from now on."""
+        with self.running_changed:
+            self.closing, running = True, list(self.running)
+        for session in running:
             session.close()
-        return sessions
 
     def _say(self, line: str) -> None:
         with self._lock:  # rollouts finish on several threads at once
             say(redact(line))
 
-    def first_rollout_done(self, session: HarborSession) -> bool:
-        """Wait, unless `session` is the first rollout, until the first one has ended (at once where the sandbox
-        builds no template). False: `session` was closed meanwhile."""
-        with self._lock:
-            self._pioneer = self._pioneer or session
-        while session is not self._pioneer and not self._pioneer_ended.wait(1.0):
-            if session._client.closed:
-                return False
-        return True
-
-    def pioneer_done(self, session: HarborSession) -> None:
-        if session is self._pioneer:
-            TEMPLATES_BUILT.add(self.sandbox)
-            self._pioneer_ended.set()
-
     def reach_capture(self) -> None:
-        """Raise CaptureLost unless the capture proxy answers at the URL the sandboxes are given: no paid sandbox
-        starts for a harness that could reach no model."""
-        if not self.capture_url:
-            return
+        """No paid sandbox starts for a harness that could reach no model: the capture proxy answers where they do."""
         try:
-            health = http_json(f"{self.capture_url}/health", timeout=30)
+            health = http_json(f"{self.capture_url}/health", timeout=30) if self.capture_url else {"status": "ok"}
         except (OSError, ValueError) as exc:
-            raise CaptureLost(f"{type(exc).__name__}: {exc}", self.capture_url) from exc
+            raise CaptureLost(f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(health, dict) or health.get("status") != "ok":
-            raise CaptureLost(f"/health answered {str(health)[:200]}", self.capture_url)
+            raise CaptureLost(f"/health answered {str(health)[:200]}")
 
     def server_lost(self, exc: ServerLost) -> float:
-        """A rollout lost its server: seconds left before the run gives up on it (<= 0: it is gone).
-
-        One window for the whole run, from the first call that found the server gone to the first that finds it
-        back, so a dead server ends the run one window after it died, however many rollouts wait for it.
-        """
-        if exc.answered:  # it answered: up again, and only this rollout's session is gone
-            self.server_answered()
-            return self.retry_window_s
-        now = time.monotonic()
+        """Seconds left before the run gives up on the server (or the capture proxy): one window for the whole run,
+        from the first call that found it gone to the first that finds it back, however many rollouts wait."""
+        now, window = time.monotonic(), f"for at most {self.retry_window_s:g}s (--harbor-retry-window)"
         with self._lock:
             first, self._outage_since = self._outage_since is None, self._outage_since or now
-            since, waiting = self._outage_since, len(self.live_sessions)
+            since, waiting = self._outage_since, sum(s.result is None for s in list(self.running))
         if first and isinstance(exc, CaptureLost):
-            self._say(f"[harbor] the capture proxy is not answering at {exc.url}, the URL every sandbox is given "
-                      f"({exc}): its tunnel or the proxy is down or too slow; no rollout starts until it answers, "
-                      f"for at most "
-                      f"{self.retry_window_s:g}s (--harbor-retry-window)")
+            self._say(f"[harbor] the capture proxy is not answering at {self.capture_url}, the URL every sandbox is "
+                      f"given ({exc}): its tunnel or the proxy is down or too slow; no rollout starts until it "
+                      f"answers, {window}")
         elif first:
             self._say(f"[harbor] the Harbor server at {self.harbor_url} is not answering ({exc}) with {waiting} "
-                      f"rollouts in flight: they start again in new sessions when it is back, if within "
-                      f"{self.retry_window_s:g}s (--harbor-retry-window)")
+                      f"rollouts in flight: they start again in new sessions when it is back, {window}")
         return since + self.retry_window_s - now
+
+    def gone(self, exc: ServerLost) -> str:
+        if not isinstance(exc, CaptureLost):
+            return f"the Harbor server at {self.harbor_url} has not answered for {self.retry_window_s:g}s (last: {exc})"
+        return (f"the capture proxy has not answered at {self.capture_url}, the URL every sandbox is given, for "
+                f"{self.retry_window_s:g}s (last: {exc}): its tunnel or the proxy died, and openenv cannot reopen "
+                "either; a relaunch starts a new server and tunnel")
 
     def server_answered(self) -> None:
         with self._lock:
@@ -1044,75 +871,61 @@ class HarborSessionFactory(ResourceSessionFactory):
                       "proxy too, where asked); rollouts it lost start again in new sessions")
 
     def record_outcome(self, session: HarborSession) -> None:
-        failure, r = session.failure, session.result
+        """The rollout's record (rollouts.jsonl), metrics (onto TRL's queue) and console line; a lost server or a run of
+        unscorable rollouts stops the run (RolloutsFailing: the stop TRL lets out of `fetch_training_trace()`)."""
+        failure, r, harness = session.failure, session.result, session.harness
+        scored = failure is None  # then `r` is the verified result
+        label = f"{self.label} {session.group} task {session.task_index} ({session.task_name})"
         with self._lock:
-            self._consecutive_failures = 0 if failure is None else self._consecutive_failures + 1
+            self._consecutive_failures = 0 if scored else self._consecutive_failures + 1
             count = self._consecutive_failures
-        self._write_record(session)
-        self._push_metrics(session)
+        record = {"time": time.time(), **self.record_fields, "group": session.group, "task": session.task_name,
+                  "index": session.task_index, "harness": harness, "sandbox": self.sandbox,
+                  "reward": r.reward if scored else None, "turns": r.n_turns if r else 0,
+                  "wall_s": r.wall_s if r else 0.0, "budget_stops": r.budget_stop_count if r else 0,
+                  "phases": dict(r.phase_timings) if r else {}, "error": failure.kind if failure else None,
+                  "failure": redact(failure.message[:300]) if failure else None, "started": session.started,
+                  "retries": session.retries, "trial": (r.trial_name or None) if r else None,
+                  "exit": agent_exit(r) if scored else None}
+        if self.record_path:
+            with self._lock, open(self.record_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        self._push_metrics(record)
         retried = f", restarted {session.retries}x in a new session" if session.retries else ""
-        if failure is None:
+        if scored:
             phases = "".join(f", {name} {seconds:.1f}s" for name, seconds in r.phase_timings.items())
             stops = f", {r.budget_stop_count} budget stops" if r.budget_stop_count else ""
-            ended = f", agent {agent_exit(r)}" if not r.ok else ""
-            self._say(f"[harbor] {session.label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
-                      f"{session.harness}{phases}{stops}{ended}{retried}")
-        elif failure.kind != SERVER_GONE:  # that one is the run's, said once by the stop below
-            self._say(f"[harbor] {session.label}: unscorable: {failure.message[:300]} (harness {session.harness}"
-                      f"{retried})")
-        if failure is not None and failure.kind == SERVER_GONE:
-            self._stop_run(failure.message)
-        if failure is not None and count >= self.max_consecutive_failures:
-            self._stop_run(f"{count} consecutive rollouts were unscorable; the last: {failure.message[:500]}")
+            ended = f", agent {record['exit']}" if not r.ok else ""
+            self._say(f"[harbor] {label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
+                      f"{harness}{phases}{stops}{ended}{retried}")
+        elif failure.kind == SERVER_GONE:
+            raise RolloutsFailing(redact(failure.message))
+        else:
+            self._say(f"[harbor] {label}: unscorable: {failure.message[:300]} (harness {harness}{retried})")
+        if not scored and count >= self.max_consecutive_failures:
+            raise RolloutsFailing(redact(f"{count} consecutive rollouts were unscorable; the last: "
+                                         f"{failure.message[:500]}"))
 
-    def _stop_run(self, reason: str) -> None:
-        """Stop training, through the one channel TRL offers: a ValueError out of `fetch_training_trace()`, which the
-        script's rollout loop hands to the trainer without a traceback (`HarborRolloutLoop._run_loops`)."""
-        raise RolloutsFailing(redact(reason))
-
-    def _write_record(self, session: HarborSession) -> None:
-        if not self.record_path:
-            return
-        r, failure = session.result, session.failure
-        record = {
-            "time": time.time(), **self.record_fields, "group": session.group, "task": session.task_name,
-            "index": session._task_index, "harness": session.harness, "sandbox": self.sandbox,
-            "reward": r.reward if r is not None and failure is None else None,
-            "turns": r.n_turns if r is not None else 0, "wall_s": r.wall_s if r is not None else 0.0,
-            "budget_stops": r.budget_stop_count if r is not None else 0,
-            "phases": dict(r.phase_timings) if r is not None else {},
-            "error": failure.kind if failure else None, "failure": redact(failure.message[:300]) if failure else None,
-            "started": session.started, "retries": session.retries,
-            "trial": (r.trial_name or None) if r is not None else None,
-            "exit": agent_exit(r) if r is not None and failure is None else None,
-        }
-        with self._lock, open(self.record_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def _push_metrics(self, session: HarborSession) -> None:
-        """This rollout's figures, onto TRL's metric queue, which the trainer drains into each optimizer step's log
-        and reduces by name: a `_total` summed over the step, a (numerator, denominator) pair as a rate."""
+    def _push_metrics(self, record: dict[str, Any]) -> None:
+        """Onto TRL's metric queue, which the trainer reduces by name into each step's log: a `_total` summed over the
+        step, a (numerator, denominator) pair as a rate."""
         if self.metrics_queue is None:
             return
-        r, failure = session.result, session.failure
-        m = {"harbor/rollouts_total": 1.0, "harbor/errors_total": float(failure is not None),
-             "harbor/sandbox_s_total": r.wall_s if r is not None else 0.0,
-             "harbor/budget_stops_total": float(r.budget_stop_count) if r is not None else 0.0}
-        if failure is not None:
-            m[f"harbor/errors/{failure.kind}_total"] = 1.0
+        m = {"harbor/rollouts_total": 1.0, "harbor/errors_total": float(record["error"] is not None),
+             "harbor/sandbox_s_total": record["wall_s"], "harbor/budget_stops_total": float(record["budget_stops"])}
+        if record["error"] is not None:
+            m[f"harbor/errors/{record['error']}_total"] = 1.0
         else:  # TRL's rollout/turns_mean and rollout/duration_s also average the unscorable rollouts, at 0 turns
-            m |= {"harbor/solve_rate": (float(r.reward > 0), 1.0), "harbor/wall_s_mean": (r.wall_s, 1.0),
-                  "harbor/turns_mean": (float(r.n_turns), 1.0)}
-            m |= {f"harbor/phase_s/{name}": (seconds, 1.0) for name, seconds in r.phase_timings.items()}
-            if (ended := agent_exit(r)) != "ok":
-                m[f"harbor/agent_exits/{ended}_total"] = 1.0
+            m |= {"harbor/solve_rate": (float(record["reward"] > 0), 1.0),
+                  "harbor/wall_s_mean": (record["wall_s"], 1.0), "harbor/turns_mean": (float(record["turns"]), 1.0)}
+            m |= {f"harbor/phase_s/{name}": (seconds, 1.0) for name, seconds in record["phases"].items()}
+            if record["exit"] != "ok":
+                m[f"harbor/agent_exits/{record['exit']}_total"] = 1.0
         if self.split_by_harness:
-            m |= {f"harbor/{session.harness}/{key[7:]}": m[key] for key in (
+            m |= {f"harbor/{record['harness']}/{key[7:]}": m[key] for key in (
                 "harbor/rollouts_total", "harbor/errors_total", "harbor/solve_rate", "harbor/wall_s_mean") if key in m}
-        try:
+        with contextlib.suppress(queue.Full):  # never hold a rollout up for a figure, as TRL's own pushes do
             self.metrics_queue.put_nowait(m)
-        except queue.Full:
-            pass  # never hold a rollout up for a figure, as TRL's own pushes do
 
 
 def session_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -1161,16 +974,14 @@ def free_port() -> int:
 
 
 # The harness version the Harbor server this script starts installs in each sandbox: the one the tests run
-# (tests/requirements-server.txt). Without one Harbor installs the newest on the day, so a long run would train
-# another harness than it was checked with. The user's OPENENV_HARBOR_AGENT_VERSIONS (openenv's own switch: a JSON
-# object of harness name -> exact version) wins per harness.
+# (tests/requirements-server.txt), not the newest on the day. The user's OPENENV_HARBOR_AGENT_VERSIONS (openenv's own
+# switch: a JSON object of harness name -> exact version) wins per harness.
 HARNESS_VERSIONS = {"mini-swe-agent": "2.4.6"}
 # openenv 0.10's own test of a pinned version (openenv/harbor/rollout.py): one it refuses fails every rollout.
 EXACT_VERSION = re.compile(r"[0-9]+(?:\.[0-9]+){1,3}(?:[-+][A-Za-z0-9.-]+)?")
-# Harbor names an e2b template after its task and builds it when the alias is missing; the alias exists from the
-# moment a build starts, so rollouts visiting a task at once race the build and the losers fail with `tag 'default'
-# does not exist`. Under one shared name (openenv's HARBOR_SHARED_ENV_NAME) a template is built once per distinct
-# environment (its hash stays in the alias), not once per task. The user's HARBOR_SHARED_ENV_NAME wins.
+# Harbor names an e2b template after its task and builds it when missing; rollouts visiting a task at once race the
+# build (`tag 'default' does not exist`). Under one shared name (openenv's HARBOR_SHARED_ENV_NAME; the user's wins) a
+# template is built once per distinct environment, not once per task.
 SHARED_TEMPLATE_NAME = "async-grpo-harbor"
 
 
@@ -1191,18 +1002,15 @@ def harbor_server_env() -> dict[str, str]:
 
 
 class EmbeddedHarborServer:
-    """`openenv harbor serve` as a child of this process, so one command runs everything after `vllm serve`. Bound to
-    127.0.0.1, with the --expose that --harbor-expose picks (the preflight resolves auto): OpenEnv's default (gradio)
-    opens a public tunnel whatever the sandbox. `public_url`: the capture proxy's URL as the server hands it to every
-    sandbox (a tunnel's, or 127.0.0.1's), from the line the server prints at start."""
+    """`openenv harbor serve` as a child of this process, bound to 127.0.0.1 with the --expose that --harbor-expose
+    picks (OpenEnv's default, gradio, opens a public tunnel whatever the sandbox). `public_url`: the capture proxy's
+    URL as the server hands it to every sandbox, from the line it prints at start."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.log_path = Path(args.output_dir) / "harbor_server.log"
         self.proc: subprocess.Popen | None = None
-        self.url = ""
-        self.capture_port = 0
-        self.public_url = ""
+        self.url, self.capture_port, self.public_url = "", 0, ""
 
     def start(self, served_model: str, timeout_s: float = 1800.0) -> float:
         """Start the server and wait until its Task API answers; returns the seconds that took."""
@@ -1212,22 +1020,19 @@ class EmbeddedHarborServer:
         cmd = shlex.split(a.harbor_command) + [
             "--dataset", a.dataset, "--llm-url", f"{a.vllm_url}/v1", "--host", "127.0.0.1", "--port", str(port),
             "--capture-port", str(self.capture_port), "--expose", a.harbor_expose,
-            "--max-output-tokens", str(a.max_completion_length)]
-        if served_model:
-            cmd += ["--model", served_model]
+            "--max-output-tokens", str(a.max_completion_length)] + (["--model", served_model] if served_model else [])
         slots = max(2 * a.max_inflight, int(os.environ.get("MAX_CONCURRENT_ENVS", "0") or 0))
         t0 = time.monotonic()
         with self.log_path.open("a") as log:
             log.write(f"\n===== {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: {shlex.join(cmd)}\n")
             log.flush()
             started_at = log.tell()
-            env = {**os.environ, **harbor_server_env(), "MAX_CONCURRENT_ENVS": str(slots)}
+            env = {**os.environ, **harbor_server_env(), "MAX_CONCURRENT_ENVS": str(slots)}  # a refusal shows the log
             try:
                 # PR_SET_PDEATHSIG (prctl 1): the kernel sends the server SIGTERM when its parent thread ends, even by
                 # SIGKILL or OOM, when no cleanup of ours runs.
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=env,
-                                             start_new_session=True,
+                                             env=env, start_new_session=True,
                                              preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGTERM))
             except OSError as exc:
                 raise UsageError(f"cannot start the Harbor server `{shlex.join(cmd[:4])}` ({exc.strerror}); "

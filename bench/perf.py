@@ -304,7 +304,8 @@ def factory_overhead(rig: Rig, spec: dict, reps: int = 20) -> dict:
     session = script.HarborServerSession(rig.harbor_url, timeout_s=600)
     try:
         arguments = {**spec, "keep_sandbox": False, "force_build": False}
-        raw = session.call_tool("run_rollout", arguments)
+        session.open()
+        raw = session._call("run_rollout", **arguments)
     finally:
         session.close()
     body = json.dumps({"jsonrpc": "2.0", "id": 1, "result": raw}).encode()

@@ -122,21 +122,16 @@ ROLLOUT_THREADS = 4
 
 
 def keep_starting_rollouts(factory, prompt, started, hold: bool) -> None:
-    """One of TRL's session-pool threads, reduced to what takes and frees a server slot: rollout after rollout, each
-    ending at once (its own close releases the slot) or, with `hold`, running until the stop closes it."""
-    first = True
+    """One of TRL's session-pool threads: rollout after rollout, each ending at once (a task index the server does
+    not have), or, with `hold`, running until the stop closes it (the engine holds its model calls)."""
+    if not hold:
+        prompt = [{**prompt[0], "harbor_task_index": 10**6}]
     while True:
         session = factory.create(prompt, 0)
-        try:
-            session._client.open()
-        except RuntimeError:  # closed before it opened: the stop has begun
-            return
-        if first:
-            started.release()
-            first = False
-        if hold:
-            session._client.closed_event.wait()
+        session.wait_for_completion()
         session.close()
+        if not hold:
+            started.release()
 
 
 def rollout_child(harbor_url: str, prompt, started) -> None:
@@ -161,21 +156,32 @@ def test_a_rollout_child_stopped_while_its_rollouts_keep_starting_leaves_no_serv
     task = next(t for t in agh.fetch_catalogue(rig.harbor_url, rig.split) if t["task_name"] == "echo-hello")
     prompt = agh.task_rows([task], rig.split, ["mini-swe-agent"])[0]["prompt"]
     ctx = multiprocessing.get_context("fork")
-    for _ in range(5):  # the next rollout races the child's exit: several stops, each must leave nothing
-        started = ctx.Semaphore(0)
-        child = ctx.Process(target=rollout_child, args=(rig.harbor_url, prompt, started), daemon=True)
-        child.start()
-        try:
-            for _ in range(ROLLOUT_THREADS):
-                assert started.acquire(timeout=120), "the child's rollouts never took their server sessions"
-            os.kill(child.pid, signal.SIGTERM)
-            os.kill(child.pid, signal.SIGTERM)  # a second one, as from a trainer that stops the child too
-            child.join(120)  # a guard against a hang, not a time limit
-            assert child.exitcode == 128 + signal.SIGTERM
-        finally:
-            if child.is_alive():
-                child.kill()
-        assert_all_slots_free(rig)
+    # Every model call waits at the engine, so the held rollouts run until the stop; their sandboxes outlive the
+    # child (Harbor's agent timeout ends them) and hold no slot.
+    post_json(f"{rig.engine_url}/stand_in/policy", {**POLICY, "hold_from_weight_version": 0})
+    try:
+        for _ in range(5):  # the next rollout races the child's exit: several stops, each must leave nothing
+            held = rig.engine_stats()["held"]
+            started = ctx.Semaphore(0)
+            child = ctx.Process(target=rollout_child, args=(rig.harbor_url, prompt, started), daemon=True)
+            child.start()
+            try:
+                for _ in range(ROLLOUT_THREADS // 2):
+                    assert started.acquire(timeout=120), "the child's quick rollouts never ended"
+                deadline = time.monotonic() + 300  # a guard against a hang, not a time limit
+                while rig.engine_stats()["held"] < held + ROLLOUT_THREADS // 2:
+                    assert time.monotonic() < deadline, "the child's held rollouts never reached the engine"
+                    time.sleep(0.2)
+                os.kill(child.pid, signal.SIGTERM)
+                os.kill(child.pid, signal.SIGTERM)  # a second one, as from a trainer that stops the child too
+                child.join(120)  # a guard against a hang, not a time limit
+                assert child.exitcode == 128 + signal.SIGTERM
+            finally:
+                if child.is_alive():
+                    child.kill()
+            assert_all_slots_free(rig)
+    finally:
+        post_json(f"{rig.engine_url}/stand_in/policy", POLICY)
 
 
 def hand_over_a_sample(samples) -> None:
