@@ -1196,178 +1196,96 @@ OFF_HOST_SANDBOXES = {"e2b", "modal", "daytona", "runloop", "langsmith", "ec2", 
                       "hf-sandbox", "hyperbrowser", "vercel", "prime", "mosaic", "sail", "kernel"}
 # Harbor backends on this host whose sandboxes still get their own network namespace: their 127.0.0.1 is not ours.
 OWN_NETWORK_SANDBOXES = {"docker", "podman", "apple-container", "kata"}
-# What each cloud backend reads from the environment of the process that starts it (the Harbor server). The server's
-# capabilities check them all (the `sandbox` row), but only once it is up; openenv's check_sandbox needs harbor here.
+# What each cloud backend reads from the environment of the Harbor server, which inherits ours.
 SANDBOX_CREDENTIALS = {"e2b": "E2B_API_KEY", "daytona": "DAYTONA_API_KEY", "runloop": "RUNLOOP_API_KEY"}
 
 
 class Preflight:
-    """The table `--check` prints, one row per check: PASS, WARN (trains, but read this), FAIL (will not train; the fix
-    is on the row) or SKIP. It also holds what the checks have found so far, which the checks after them read
-    (PREFLIGHT_CHECKS runs them in order) and training takes on (the plan)."""
+    """The rows `--check` prints, the plan training takes from them, and what vLLM said of itself for later rows."""
 
     def __init__(self, args: argparse.Namespace, server: EmbeddedHarborServer | None = None):
         self.args, self.server = args, server
-        self.rows: list[tuple[str, str, str, str]] = []
+        self.rows: list[tuple[str, str, str, str]] = []  # (check, PASS/WARN/FAIL/SKIP, detail, fix)
         self.plan: dict[str, Any] = {"resume": None}  # what training takes from the preflight; rank 0 sends it on
         self.writable = False  # --output-dir takes files
-        self.task_spec_read = False  # --tasks parses, before any server is asked for its tasks
-        self.sandbox_reachable = True  # credentials and capture URL, as far as this process can tell
-        self.served: dict[str, Any] | None = None  # vLLM's model, as it reports it and itself (check_vllm_reachable)
+        self.served: dict[str, Any] | None = None  # vLLM's model and config, as it reports them
         self.vllm_config: dict[str, Any] | None = None  # its resolved config (/server_info: dev mode only)
-        self.vllm_env: dict[str, Any] = {}  # its environment as /server_info reports it
-        self.llm_report: Any = None  # OpenEnv's probe of vLLM (validate_llm)
-        self.capabilities: dict[str, Any] | None = None  # the Harbor server's, once it answers
-        self.splits: list[dict[str, Any]] = []  # the splits it serves
+        self.vllm_env: dict[str, Any] = {}
 
     @functools.cached_property
     def gpu_apps(self) -> dict[str, list[tuple[int, str, float]]] | None:
-        """nvidia-smi's processes by GPU UUID (None: no nvidia-smi answers), asked once for the checks that read it."""
         return gpu_processes()
-
-    def add(self, check: str, status: str, detail: str, fix: str = "") -> bool:
-        self.rows.append((check, status, redact(detail), fix))
-        return status != FAIL
-
-    def confirm(self, check: str, how: str) -> None:
-        """A WARN that a later check proved harmless turns PASS, saying how."""
-        self.rows = [(c, PASS, f"{d}; {how}", "") if c == check and s == WARN else (c, s, d, f)
-                     for c, s, d, f in self.rows]
-
-    def settle(self, check: str, status: str, how: str, fix: str = "") -> bool:
-        """A row judged before a later check could look: that check's status (PASS keeps the row's own), saying how."""
-        self.rows = [(c, s if status == PASS else status, f"{d}; {redact(how)}", f if status == PASS else fix)
-                     if c == check else (c, s, d, f) for c, s, d, f in self.rows]
-        return status != FAIL
-
-    @property
-    def failures(self) -> list[tuple[str, str, str, str]]:
-        return [row for row in self.rows if row[1] == FAIL]
-
-    def print(self) -> None:
-        width = max(len(row[0]) for row in self.rows)
-        lines = []
-        for check, status, detail, fix in self.rows:
-            first, *more = detail.splitlines() or [""]
-            lines.append(f"  {status}  {check:<{width}}  {first}")
-            lines += [f"        {'':<{width}}  {line}" for line in more]
-            if fix and status in (WARN, FAIL):
-                lines.append(f"        {'':<{width}}  fix: {fix}")
-        print("\npreflight\n" + "\n".join(lines) + "\n", flush=True)
-
-    def error_line(self) -> str:
-        _, _, detail, fix = self.failures[0]
-        more = len(self.failures) - 1
-        return (f"error: {detail.splitlines()[0]}" + (f"; {fix}" if fix else "")
-                + (f" (and {more} more failed check{'s' * (more > 1)} above)" if more else ""))
 
     @functools.cached_property
     def shape(self) -> TrainerShape | None:
-        """What the trainer will hold, sized from --model's config (the checkpoints and trainer memory rows)."""
         return trainer_shape(self.args)
-
-    # What a PreflightCheck's `needs` names: a check runs only where each of its needs holds.
-    @property
-    def training(self) -> bool:
-        return not self.args.measure
-
-    @property
-    def measuring(self) -> bool:
-        return self.args.measure
-
-    @property
-    def peft(self) -> bool:
-        return self.args.use_peft
-
-    @property
-    def vllm_answers(self) -> bool:
-        return self.served is not None
-
-    @property
-    def vllm_dev_mode(self) -> bool:
-        return self.vllm_config is not None
 
     @property
     def ipc(self) -> bool:
         """vLLM shares the trainer's GPU and takes its pushes as CUDA-IPC handles."""
         return (self.served or {}).get("weight_transfer") == "ipc"
 
-    @property
-    def own_server(self) -> bool:
-        return self.server is not None
+    def add(self, check: str, status: str, detail: str, fix: str = "") -> bool:
+        self.rows.append((check, status, redact(detail), fix))
+        return status != FAIL
 
-    @property
-    def vllm_down(self) -> bool:
-        return self.training and self.served is None
+    def amend(self, check: str, how: str, status: str | None = None, fix: str = "") -> bool:
+        """A row judged before a later check could look: what that check found, and its status where it decides."""
+        self.rows = [(c, status or s, f"{d}; {redact(how)}", fix if status else f) if c == check else (c, s, d, f)
+                     for c, s, d, f in self.rows]
+        return status != FAIL
 
-    @property
-    def ready_for_harbor(self) -> bool:
-        """What the Harbor server's checks build on: it samples from vLLM (measuring: from its own engine), writes its
-        log into --output-dir, starts the sandboxes and serves --tasks."""
-        return ((self.measuring or self.vllm_answers) and self.writable and self.sandbox_reachable
-                and self.task_spec_read)
-
-    @property
-    def harbor_answers(self) -> bool:
-        return self.capabilities is not None
-
-    @property
-    def split_served(self) -> bool:
-        return "split" in self.plan
-
-    @property
-    def tasks_found(self) -> bool:
-        return "tasks" in self.plan
-
-    @property
-    def eval_tasks_given(self) -> bool:
-        return bool(self.args.eval_tasks) and self.training
+    def verdict(self) -> int | None:
+        """Prints the table and one `error:` line naming the first FAIL (exit 2); else 0 after --check, else None."""
+        width = max(len(row[0]) for row in self.rows)
+        pad = " " * (width + 10)
+        print("\npreflight")
+        for check, status, detail, fix in self.rows:
+            print(f"  {status}  {check:<{width}}  " + f"\n{pad}".join(detail.splitlines() or [""]))
+            if fix and status in (WARN, FAIL):
+                print(f"{pad}fix: {fix}")
+        print(flush=True)
+        failures = [row for row in self.rows if row[1] == FAIL]
+        if failures:
+            _, _, detail, fix = failures[0]
+            more = len(failures) - 1
+            print(f"error: {detail.splitlines()[0]}" + (f"; {fix}" if fix else "")
+                  + (f" (and {more} more failed check{'s' * (more > 1)} above)" if more else ""), file=sys.stderr)
+            return 2
+        if self.args.check:
+            print(f"preflight: no failures ({sum(row[1] == WARN for row in self.rows)} warnings)", flush=True)
+            return 0
+        return None
 
 
 def check_output_dir(pf: Preflight) -> None:
-    out = Path(pf.args.output_dir)
+    out = pf.args.output_dir
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
+        Path(out).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
     except OSError as exc:
-        pf.add("output dir", FAIL, f"cannot write to {out} ({exc.strerror})",
-               "give a writable --output-dir (checkpoints and logs go there)")
+        pf.add("output dir", FAIL, f"cannot write to {out} ({exc.strerror})", "give a writable --output-dir")
         return
-    pf.writable = pf.add("output dir", PASS, str(out))
+    pf.writable = pf.add("output dir", PASS, out)
 
 
 def check_resume(pf: Preflight) -> None:
     try:
         resume = resolve_resume(pf.args)
+        problem = lora_mismatch(pf.args, resume)
     except UsageError as exc:
-        pf.add("resume", FAIL, str(exc))
-        return
-    if mismatch := lora_mismatch(pf.args, resume):
-        pf.add("resume", FAIL, mismatch)
-        return
-    pf.add("resume", PASS, resume or "fresh start")
-    pf.plan["resume"] = resume
+        resume, problem = None, str(exc)
+    if pf.add("resume", FAIL if problem else PASS, problem or resume or "fresh start"):
+        pf.plan["resume"] = resume
 
 
-def check_task_spec(pf: Preflight) -> None:
-    """The --tasks file or spec alone; which of its tasks the server serves is the later tasks row."""
+def check_task_spec(pf: Preflight) -> bool:
+    """The --tasks file or spec alone, before any server is asked which of them it serves (the later tasks row)."""
     try:
         read_task_spec(pf.args.tasks)
     except UsageError as exc:
-        pf.add("tasks", FAIL, str(exc))
-        return
-    pf.task_spec_read = True
-
-
-def check_measure(pf: Preflight) -> None:
-    # Measuring samples through the Harbor server's own engine and loads no weights: the trainer's vLLM, its weight
-    # sync and its capture tier do not matter.
-    pf.add("measure", PASS, f"{pf.args.eval_k} rollouts per task, {pf.args.max_inflight} in flight; no trainer")
-
-
-def check_grpo(pf: Preflight) -> None:
-    pf.add("GRPO", PASS, f"{pf.args.num_generations} generations per group, {pf.args.max_inflight} rollouts in flight")
+        return pf.add("tasks", FAIL, str(exc))
+    return True
 
 
 def http_json(url: str, timeout: float = 10.0) -> Any:
@@ -1377,113 +1295,92 @@ def http_json(url: str, timeout: float = 10.0) -> Any:
         return json.loads(reply.read())
 
 
-def check_vllm_reachable(pf: Preflight) -> None:
-    """What vLLM serves and says of itself, asked once: the rows after this one judge it."""
-    args = pf.args
+def check_vllm_reachable(pf: Preflight) -> Any:
+    """What vLLM serves and says of itself, asked once for the rows after this one; returns OpenEnv's probe of it."""
+    url = pf.args.vllm_url
     try:
-        served = http_json(f"{args.vllm_url}/v1/models")["data"][0]
+        served = http_json(f"{url}/v1/models")["data"][0]
     except (OSError, ValueError, KeyError, IndexError) as exc:
-        pf.add("vLLM reachable", FAIL, f"vLLM is not reachable at {args.vllm_url} ({exc})",
+        pf.add("vLLM reachable", FAIL, f"vLLM is not reachable at {url} ({exc})",
                "start it first (the `vllm serve` command in this script's docstring) or fix --vllm-url")
-        return
-    pf.add("vLLM reachable", PASS, f"{args.vllm_url} serves {served['id']}")
-    # vLLM's resolved config, behind VLLM_SERVER_DEV_MODE like the weight-sync routes: where it answers, it says what
-    # a probe can only infer (TRL reads the served dtype from it too).
-    try:
-        info = http_json(f"{args.vllm_url}/server_info?config_format=json")
-        config, model_config = info["vllm_config"], info["vllm_config"]["model_config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        info, config, model_config = {}, None, {}
-    pf.vllm_config, pf.vllm_env = config, info.get("vllm_env") or {}
-    # The one place the backend is decided: vLLM's own --weight-transfer-config (build_trainer and the trainer-memory
-    # row follow it), with the share of the GPU vLLM sized itself to.
-    served["weight_transfer"] = ((config or {}).get("weight_transfer_config") or {}).get("backend")
-    served["gpu_memory_utilization"] = ((config or {}).get("cache_config") or {}).get("gpu_memory_utilization")
+        return None
+    pf.add("vLLM reachable", PASS, f"{url} serves {served['id']}")
+    # Its resolved config answers in dev mode only, like the weight-sync routes: it says what a probe can only infer,
+    # and its --weight-transfer-config decides the push backend (build_trainer follows it).
+    model_config = {}
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        info = http_json(f"{url}/server_info?config_format=json")
+        model_config = info["vllm_config"]["model_config"]
+        pf.vllm_config, pf.vllm_env = info["vllm_config"], info.get("vllm_env") or {}
+    config = pf.vllm_config or {}
+    served["weight_transfer"] = (config.get("weight_transfer_config") or {}).get("backend")
+    served["gpu_memory_utilization"] = (config.get("cache_config") or {}).get("gpu_memory_utilization")
     served["dtype"] = str(model_config.get("dtype") or "").removeprefix("torch.") or None
     served["max_model_len"] = served.get("max_model_len") or model_config.get("max_model_len")
     served["logprobs_mode"] = model_config.get("logprobs_mode")
     pf.served = served
     pf.plan["max_model_len"], pf.plan["weight_transfer"] = served["max_model_len"], served["weight_transfer"]
-    pf.llm_report = validate_llm(args.vllm_url, served["id"], timeout=60.0)
+    return validate_llm(url, served["id"], timeout=60.0)
 
 
 def check_served_model(pf: Preflight) -> None:
-    args, served = pf.args, pf.served
-    names = {served["id"], served.get("root") or ""}
-    if args.model in names or Path(args.model.rstrip("/")).name in {Path(n.rstrip("/")).name for n in names if n}:
-        pf.add("served model", PASS, f"--model {args.model} is what vLLM serves")
+    served, model = pf.served, pf.args.model
+    if Path(model.rstrip("/")).name in {Path(n.rstrip("/")).name for n in (served["id"], served.get("root")) if n}:
+        pf.add("served model", PASS, f"--model {model} is what vLLM serves")
     else:
-        pf.add("served model", FAIL, f"vLLM serves {served.get('root') or served['id']} but --model is {args.model}: "
-               "the trainer would push its weights into another model", "serve --model with vLLM, or fix --model")
+        pf.add("served model", FAIL, f"vLLM serves {served.get('root') or served['id']} but --model is {model}: "
+               "the trainer would push into another model", "serve --model with vLLM, or fix --model")
 
 
-def check_capture_tier(pf: Preflight) -> None:
-    """Token ids from OpenEnv's probe; processed logprobs from vLLM's own config where it answers, else measured.
-
-    The probe measures logprobs at two temperatures and cannot tell on a near-uniform model (a random or tiny one);
-    vLLM's `--logprobs-mode` in /server_info decides it whatever the model.
-    """
-    report, logprobs_mode = pf.llm_report, pf.served["logprobs_mode"]
-    fix = "restart vLLM with --logprobs-mode processed_logprobs"
-    if logprobs_mode and logprobs_mode != "processed_logprobs":
-        what = ("pre-temperature logprobs (vLLM's default)" if logprobs_mode == "raw_logprobs"
-                else "logits, not logprobs")
-        pf.add("capture tier", FAIL, f"vLLM's /server_info: logprobs_mode {logprobs_mode}, i.e. {what}: every "
-               "importance ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
+def check_capture_tier(pf: Preflight, report: Any) -> None:
+    """Token ids from OpenEnv's probe; processed logprobs from vLLM's --logprobs-mode where /server_info says it,
+    else measured at two temperatures (which a near-uniform model, random or tiny, leaves undecided)."""
+    mode, fix = pf.served["logprobs_mode"], "restart vLLM with --logprobs-mode processed_logprobs"
+    wrong = "wrong importance ratios, so the proxy grades every rollout eval tier"
+    if mode and mode != "processed_logprobs":
+        pf.add("capture tier", FAIL, f"vLLM's /server_info: logprobs_mode {mode}: {wrong}", fix)
     elif report.logprobs_mode == "raw":  # OpenEnv's probe then grades the engine eval tier whatever vLLM says
-        pf.add("capture tier", FAIL, "the engine returns raw (pre-temperature) logprobs, measured: every importance "
-               "ratio would be wrong, so the proxy grades its rollouts eval tier", fix)
+        pf.add("capture tier", FAIL, f"the engine returns raw (pre-temperature) logprobs, measured: {wrong}", fix)
     elif report.capture_level != "tokens":
-        flags = {"logprobs": "--return-tokens-as-token-ids"}.get(
-            report.capture_level, "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
-        pf.add("capture tier", FAIL, f"the engine's rollouts would be eval tier ({report.capture_level or 'nothing'} "
-               "captured, no token ids): nothing to train on", f"restart vLLM with {flags}")
-    elif logprobs_mode:
-        pf.add("capture tier", PASS, "train: token ids + processed logprobs (vLLM's /server_info: logprobs_mode "
-               "processed_logprobs)")
-    elif report.logprobs_mode == "processed":
-        pf.add("capture tier", PASS, "train: token ids + processed logprobs (measured at two temperatures)")
+        flags = "" if report.capture_level == "logprobs" else " --logprobs-mode processed_logprobs"
+        pf.add("capture tier", FAIL, f"no token ids captured ({report.capture_level or 'nothing'}): nothing to train "
+               "on", f"restart vLLM with --return-tokens-as-token-ids{flags}")
+    elif mode or report.logprobs_mode == "processed":
+        how = "vLLM's /server_info: logprobs_mode processed_logprobs" if mode else "measured at two temperatures"
+        pf.add("capture tier", PASS, f"train: token ids + processed logprobs ({how})")
     else:
-        pf.add("capture tier", WARN, "train: token ids + logprobs, but whether they are processed (temperature-"
-               "scaled) could not be measured, and vLLM's /server_info (dev mode) did not say",
-               "make sure vLLM runs with --logprobs-mode processed_logprobs")
+        pf.add("capture tier", WARN, "train: token ids + logprobs, processed or raw unknown (no dev mode to ask)", fix)
 
 
-def check_tool_calls(pf: Preflight) -> None:
-    tools = {"ok": (PASS, "a tool call round-trips"),
-             "rejected": (FAIL, "vLLM refuses tool calls, which every agent harness makes"),
-             "no-tool-call": (WARN, "the model answered a tool request in prose"),
-             "unknown": (WARN, "could not tell whether tool calls work")}
-    status, detail = tools.get(pf.llm_report.tool_support, (WARN, "not probed"))
+def check_tool_calls(pf: Preflight, report: Any) -> None:
+    status, detail = {"ok": (PASS, "a tool call round-trips"),
+                      "rejected": (FAIL, "vLLM refuses tool calls, which every agent harness makes"),
+                      "no-tool-call": (WARN, "the model answered a tool request in prose")}.get(
+        report.tool_support, (WARN, "could not tell whether tool calls work"))
     pf.add("tool calls", status, detail,
-           "serve with --enable-auto-tool-choice --tool-call-parser <the parser of your model family, hermes for "
-           "Qwen3>")
+           "serve with --enable-auto-tool-choice --tool-call-parser <your model family's parser, hermes for Qwen3>")
 
 
 def check_weight_transfer(pf: Preflight) -> None:
+    backend, nccl = pf.served["weight_transfer"], "'{\"backend\":\"nccl\"}'"
     if pf.vllm_config is None:
-        pf.add("weight transfer", FAIL, "vLLM's dev endpoints are off: the trainer cannot push weights after a step",
+        pf.add("weight transfer", FAIL, "vLLM's dev endpoints are off: the trainer cannot push its weights",
                "restart vLLM with VLLM_SERVER_DEV_MODE=1 in its environment")
-        return
-    backend = pf.served["weight_transfer"]
-    if not pf.vllm_config.get("weight_transfer_config"):
-        pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push weights",
-               "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}'")
+    elif not backend:
+        pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push its weights",
+               f"restart vLLM with --weight-transfer-config {nccl}")
     elif backend == "ipc" and pf.vllm_env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") is False:
         # vLLM's ipc backend unpickles every push (its CUDA-IPC handles): it must be allowed to.
-        pf.add("weight transfer", FAIL, "vLLM serves the ipc backend without VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
-               "(its /server_info): it would refuse to unpickle the CUDA-IPC handles of every push",
-               "restart vLLM with VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment and "
-               "--host 127.0.0.1")
+        pf.add("weight transfer", FAIL, "vLLM's ipc backend would refuse to unpickle every push",
+               "restart vLLM with VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment and --host 127.0.0.1")
     elif backend == "ipc":
         pf.add("weight transfer", PASS, "enabled (ipc): weights pushed as CUDA-IPC handles, vLLM on the trainer's GPU")
     elif backend == "nccl":
-        pf.add("weight transfer", PASS, f"enabled ({backend})")
+        pf.add("weight transfer", PASS, "enabled (nccl)")
     else:
-        pf.add("weight transfer", FAIL, f"vLLM's weight transfer backend is {backend!r}: this script pushes over "
-               "nccl (vLLM on a GPU of its own) or ipc (vLLM on the trainer's GPU)",
-               "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}' (two GPUs) or "
-               "'{\"backend\":\"ipc\"}' with --host 127.0.0.1 (one GPU, shared)")
+        pf.add("weight transfer", FAIL, f"vLLM's weight transfer backend is {backend!r}, neither nccl nor ipc",
+               f"restart vLLM with --weight-transfer-config {nccl} (a GPU of its own) or "
+               "'{\"backend\":\"ipc\"}' and --host 127.0.0.1 (the trainer's GPU)")
 
 
 def url_port(url: str) -> int:
@@ -1491,15 +1388,9 @@ def url_port(url: str) -> int:
     return parts.port or (443 if parts.scheme == "https" else 80)
 
 
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, str]]:
-    """(address, socket inode) of every TCP socket listening on `port` in this network namespace."""
+    """(address, socket inode) of every TCP socket listening on `port` in this network namespace: vLLM's
+    /server_info does not say which host it binds."""
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
@@ -1514,98 +1405,76 @@ def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress
 
 
 def check_vllm_on_loopback(pf: Preflight) -> None:
-    """Dev mode (VLLM_SERVER_DEV_MODE, which the weight push needs) serves /collective_rpc and the weight-transfer
-    routes to whoever reaches vLLM's port: with ipc they unpickle what they are sent (FAIL beyond loopback); with nccl
-    they let anyone pause vLLM or load other weights into it (WARN: a multi-node run needs vLLM reachable)."""
-    args = pf.args
-    url, port = urllib.parse.urlsplit(args.vllm_url), url_port(args.vllm_url)
-    listening = [address for address, _ in listening_sockets(port)]
-    if pf.ipc:
-        status, elsewhere = FAIL, ""
-        danger = "with ipc vLLM unpickles every weight push, so whoever reaches it can run code as vLLM's user"
-    else:
-        status = WARN
-        danger = ("vLLM runs in dev mode (its /server_info answers), so whoever reaches it can call /collective_rpc "
-                  "and the weight-transfer routes: pause it, or load other weights into it")
-        elsewhere = ("; a multi-node run needs vLLM reachable from the trainer's node: there, keep its port inside the "
-                     "cluster's private network")
-    if not is_loopback(url.hostname or ""):
-        pf.add("vLLM on loopback", status, f"--vllm-url {args.vllm_url} is not a loopback address: {danger}",
-               f"serve vLLM with --host 127.0.0.1 and give --vllm-url http://127.0.0.1:{port}{elsewhere}")
-    elif exposed := [str(a) for a in listening if not a.is_loopback]:
-        pf.add("vLLM on loopback", status, f"vLLM listens on {exposed[0]} port {port}, beyond this host: {danger}",
-               f"restart vLLM with --host 127.0.0.1{elsewhere}")
+    """Dev mode (which the weight push needs) serves /collective_rpc and the weight-transfer routes to whoever reaches
+    vLLM's port: with ipc they unpickle what they are sent (FAIL beyond loopback); with nccl they let anyone pause
+    vLLM or load other weights (WARN: a multi-node run needs vLLM reachable from the trainer's node)."""
+    url, port = pf.args.vllm_url, url_port(pf.args.vllm_url)
+    listening = sorted({str(address) for address, _ in listening_sockets(port)})
+    beyond = [f"vLLM listens on {address} port {port}, beyond this host" for address in listening
+              if not ipaddress.ip_address(address).is_loopback]
+    host = urllib.parse.urlsplit(url).hostname or ""
+    with contextlib.suppress(ValueError):  # a name: only localhost is known to be loopback
+        host = "localhost" if ipaddress.ip_address(host).is_loopback else host
+    if host != "localhost":
+        beyond.insert(0, f"--vllm-url {url} is not a loopback address")
+    job = next((f"{name}={os.environ[name]}" for name in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+                if os.environ.get(name)), None)
+    danger = "with ipc vLLM unpickles every weight push, so whoever reaches it can run code as vLLM's user"
+    if beyond and not pf.ipc:
+        pf.add("vLLM on loopback", WARN, f"{beyond[0]}: in dev mode whoever reaches vLLM can pause it or load other "
+               "weights into it", "restart vLLM with --host 127.0.0.1, or (multi-node) keep its port private")
+    elif beyond:
+        pf.add("vLLM on loopback", FAIL, f"{beyond[0]}: {danger}", "restart vLLM with --host 127.0.0.1")
     elif not listening:
-        pf.add("vLLM on loopback", WARN, f"--vllm-url is loopback, but no socket listening on port {port} is visible "
-               "here (another network namespace?): whether vLLM is reachable beyond this host is unknown",
-               "make sure vLLM runs with --host 127.0.0.1")
-    elif pf.ipc and (job := next((f"{name}={os.environ[name]}" for name in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
-                                  if os.environ.get(name)), None)):
+        pf.add("vLLM on loopback", WARN, f"no socket listening on port {port} is visible here (another network "
+               "namespace?): whether vLLM is reachable beyond this host is unknown", "run vLLM with --host 127.0.0.1")
+    elif pf.ipc and job:
         # Loopback keeps other hosts out, not the other users of this one: a scheduler's node runs their jobs too.
-        pf.add("vLLM on loopback", WARN, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
-               f"{port} only, but this host is shared ({job}: a scheduler's node, other users' jobs may run on it) "
-               f"and every local user reaches its loopback: {danger}",
-               "run the job on a node of its own (SLURM: --exclusive), or serve vLLM on a GPU of its own with "
-               "--weight-transfer-config '{\"backend\":\"nccl\"}', which unpickles nothing")
+        pf.add("vLLM on loopback", WARN, f"this host is shared ({job}) and every local user reaches its loopback: "
+               f"{danger}", "run the job on a node of its own (SLURM: --exclusive), or use the nccl backend")
     else:
-        pf.add("vLLM on loopback", PASS, f"vLLM listens on {', '.join(sorted({str(a) for a in listening}))} port "
-               f"{port} only")
+        pf.add("vLLM on loopback", PASS, f"vLLM listens on {', '.join(listening)} port {port} only")
 
 
 def check_trainer_ranks(pf: Preflight) -> None:
     if (ranks := int(os.environ.get("WORLD_SIZE", "1"))) > 1:
         pf.add("trainer ranks", FAIL, f"{ranks} trainer processes (WORLD_SIZE): vLLM's ipc backend takes each push "
-               "from one process on its GPU",
-               "launch one trainer process (python or uv run, not accelerate launch / torchrun), or serve vLLM on a "
-               "GPU of its own with --weight-transfer-config '{\"backend\":\"nccl\"}'")
+               "from one", "launch one trainer process, or use the nccl backend (vLLM on a GPU of its own)")
 
 
 def check_dtype(pf: Preflight) -> None:
-    """The precision the trainer scores at against the one vLLM samples at: on a GPU the trainer computes under bf16
-    autocast whatever its weights are (the config's bf16, HarborGRPOConfig; accelerate wraps the forward),
-    elsewhere in its weights' dtype. TRL's own start-up warning compares weight dtypes only."""
+    """The dtype vLLM samples in against the one the trainer scores in: on a GPU bf16 autocast whatever its weights
+    (the config's bf16: accelerate wraps the forward), elsewhere its weights' dtype. TRL compares weights only."""
     if pf.vllm_config is None:
         pf.add("dtype", SKIP, "vLLM's dev endpoints are off, so its dtype cannot be read")
         return
-    args, served_dtype, on_gpu = pf.args, pf.served["dtype"] or "", pf.args.bf16
-    trains = trainer_dtype(args)
-    computes = "bfloat16" if on_gpu else trains
+    args, served, trains = pf.args, pf.served["dtype"], trainer_dtype(pf.args)
+    computes = "bfloat16" if args.bf16 else trains
     weights = f"the trainer's weights are {trains} (--dtype {args.dtype})"
-    if not served_dtype:
-        pf.add("dtype", WARN, "vLLM did not report its dtype")
-    elif computes is None:
-        pf.add("dtype", WARN, f"vLLM serves {served_dtype}; --dtype auto could not be resolved "
-               f"({model_shape_error(args)})")
-    elif served_dtype == computes == trains:
-        pf.add("dtype", PASS, f"vLLM serves {served_dtype}, {weights}")
-    elif served_dtype == computes:
+    if not served or not trains:
+        pf.add("dtype", WARN, f"not compared: vLLM's dtype is {served or 'unreported'}, the trainer's "
+               f"{trains or model_shape_error(args)}")
+    elif served == computes == trains:
+        pf.add("dtype", PASS, f"vLLM serves {served}, {weights}")
+    elif served == computes:
         # 2 x H200: step-1 importance ratio 1.0004, kl 0.002 (bench/results/2026-12-01-h200.md).
         pf.add("dtype", PASS, f"vLLM serves bfloat16 and the trainer scores under bfloat16 autocast; {weights}, "
                "rounded to bfloat16 by each push (TRL's start-up warning about this is expected)")
-    elif on_gpu:
-        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, the trainer scores under bfloat16 autocast on GPU "
-               f"whatever its weights ({trains}): the precision gap shows up in every importance ratio",
-               "serve with vLLM's --dtype bfloat16")
     else:
-        pf.add("dtype", WARN, f"vLLM serves {served_dtype}, {weights}; TRL warns about this at start too. Each push "
-               "rounds them to the served dtype, and the precision gap between trainer and server shows up in the "
-               "importance ratio",
-               f"serve with vLLM's --dtype {trains} to match, or train in {served_dtype} after reading --dtype's help "
-               "(its risk at small learning rates)")
+        trainer = f"{weights}; TRL warns about this"
+        if args.bf16:
+            trainer = "the trainer scores under bfloat16 autocast on GPU"
+        pf.add("dtype", WARN, f"vLLM serves {served}, {trainer}: the gap shows in every importance ratio",
+               f"serve with vLLM's --dtype {computes}")
 
 
 def check_lora_engine(pf: Preflight) -> None:
+    # With --enable-lora TRL syncs the adapter alone, as `trl-policy-vN`, which only its own worker asks for.
     if pf.vllm_config.get("lora_config"):
-        # TRL would then sync the adapter alone, registered as `trl-policy-vN`, which only its own worker asks for:
-        # the capture proxy asks for the served model, so every rollout would sample the untrained base.
-        pf.add("LoRA", FAIL, "vLLM runs with --enable-lora (its /server_info has a lora_config): TRL would push the "
-               "adapter under its own names, which the Harbor capture proxy never requests, so every rollout would "
-               "sample the untrained base model",
-               "restart vLLM without --enable-lora (and its --max-lora-rank / --max-loras): --use-peft pushes merged "
-               "weights")
+        pf.add("LoRA", FAIL, "vLLM runs with --enable-lora: every rollout would sample the untrained base model",
+               "restart vLLM without --enable-lora (and its --max-lora-rank / --max-loras)")
     else:
-        pf.add("LoRA", PASS, f"merged sync: every push sends the base weights with the r={pf.args.lora_r} adapter "
-               "folded in (vLLM runs without --enable-lora)")
+        pf.add("LoRA", PASS, f"merged sync: each push folds the r={pf.args.lora_r} adapter into the base weights")
 
 
 # What mini-swe-agent 2.4.6 shows the model of a command's output each turn (its config/mini.yaml, which Harbor's
@@ -1614,60 +1483,48 @@ MINI_SWE_AGENT_OUTPUT_CHARS = 10_000
 
 
 def check_context(pf: Preflight) -> None:
-    """A rollout's context grows each turn by the completion and by the command output the harness shows back. The
-    completions are capped (--max-completion-length); the output is whatever the policy's commands print, up to the
-    harness's own cut: this row counts the first and names the tokens left for the second."""
+    """Each turn adds a completion (--max-completion-length) and the command output the harness shows back, which
+    the policy's commands decide: this row counts the first and names the tokens left for the second."""
     args, max_len = pf.args, pf.served["max_model_len"]
-    turns, completion = args.agent_step_limit, args.max_completion_length
-    worst = PROMPT_TOKENS + turns * completion
-    counted = f"~{PROMPT_TOKENS:,}-token prompt + {turns} turns x {completion} tokens = {worst:,}"
+    worst = PROMPT_TOKENS + args.agent_step_limit * args.max_completion_length
+    counted = (f"~{PROMPT_TOKENS:,}-token prompt + {args.agent_step_limit} turns x {args.max_completion_length} "
+               f"tokens = {worst:,}")
+    output = "the command output the harness shows back each turn"
     if set(args.harnesses) == {"mini-swe-agent"}:
         output = (f"the command output mini-swe-agent shows back each turn (all of it up to "
                   f"{MINI_SWE_AGENT_OUTPUT_CHARS:,} characters, else the first and last "
                   f"{MINI_SWE_AGENT_OUTPUT_CHARS // 2:,})")
-    else:
-        output = "the command output the harness shows back each turn"
     if not max_len:
         pf.add("context", WARN, "vLLM did not report its max_model_len")
     elif worst > max_len:
-        pf.add("context", WARN, f"{counted} > vLLM's max_model_len {max_len:,}, before {output}: a rollout that uses "
-               "its whole turn budget ends at the context limit",
+        pf.add("context", WARN, f"{counted} > vLLM's max_model_len {max_len:,}, before {output}",
                "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
     else:
-        pf.add("context", PASS, f"{counted} fit max_model_len {max_len:,}; {max_len - worst:,} tokens are left for "
-               f"{output}, which depends on the commands and is not counted here: a rollout whose commands print "
-               "more ends at the context limit")
-
-
-def tied_lora_targets(model: Any) -> list[str]:
-    """The modules of a PEFT model whose LoRA adapter sits on a weight the model ties to another: its input
-    embeddings and its output head share one tensor, and an adapter on one of them leaves the other at the base."""
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    pair = [m.get_base_layer() if isinstance(m, LoraLayer) else m
-            for m in (base.get_input_embeddings(), base.get_output_embeddings())]
-    if None in pair or pair[0].weight is not pair[1].weight:
-        return []
-    return [name for name, m in base.named_modules() if isinstance(m, LoraLayer)
-            and m.get_base_layer().weight is pair[0].weight]
+        pf.add("context", PASS, f"{counted} fit max_model_len {max_len:,}, leaving {max_len - worst:,} tokens for "
+               f"{output}: a rollout whose commands print more ends at the context limit")
 
 
 def check_lora_targets(pf: Preflight) -> None:
-    args = pf.args
-    if model_shape_error(args) is not None:
+    """PEFT places the adapters, and none on the one weight the model's input embeddings and output head share: it
+    would change one of the two in training, both in the merged push."""
+    from peft.tuners.lora import LoraLayer
+
+    if model_shape_error(pf.args) is not None:
         return  # the checkpoints row says why --model's config cannot be read
     try:
-        lora = lora_model(args)
+        base = lora_model(pf.args).get_base_model()
     except ValueError as exc:  # PEFT's NoMatchingPeftModuleError
         pf.add("LoRA targets", FAIL, f"--lora-target-modules: {exc}", "name modules of --model, or all-linear")
         return
-    if tied := tied_lora_targets(lora):
-        pf.add("LoRA targets", FAIL, f"--lora-target-modules {' '.join(args.lora_target_modules or [])} puts an "
-               f"adapter on {', '.join(tied)}, whose weight {args.model} ties between its input embeddings and its "
-               "output head: the adapter would change one of the two only, and the merged push both",
-               "leave embed_tokens and lm_head out of --lora-target-modules (all-linear does), or train without "
-               "--use-peft")
+    pair = [m.get_base_layer() if isinstance(m, LoraLayer) else m
+            for m in (base.get_input_embeddings(), base.get_output_embeddings())]
+    if None in pair or pair[0].weight is not pair[1].weight:
+        return
+    tied = [name for name, m in base.named_modules()
+            if isinstance(m, LoraLayer) and m.get_base_layer().weight is pair[0].weight]
+    if tied:
+        pf.add("LoRA targets", FAIL, f"an adapter on {', '.join(tied)}, a weight {pf.args.model} ties between its "
+               "input embeddings and its output head", "leave embed_tokens and lm_head out of --lora-target-modules")
 
 
 def check_precision(pf: Preflight) -> None:
@@ -1964,104 +1821,77 @@ def memory_fixes(args: argparse.Namespace, shape: TrainerShape, peak: Callable[.
     return "; or ".join(fixes) or "train on a GPU with more free memory, or shard it with FSDP (slurm/README.md)"
 
 
-def check_credentials(pf: Preflight) -> None:
-    """Before starting our own server: what only this process can see (its environment)."""
-    args = pf.args
-    var = SANDBOX_CREDENTIALS.get(args.sandbox)
+def check_credentials(pf: Preflight) -> bool:
+    """What only this process can see (its environment), before our server starts with it."""
+    args, var = pf.args, SANDBOX_CREDENTIALS.get(pf.args.sandbox)
     if var and not os.environ.get(var):
-        pf.sandbox_reachable = pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would "
-                                      "fail to start", f"export {var} before launching (the Harbor server this script "
-                                      "starts inherits it)")
-    elif args.dataset == DEFAULT_DATASET and not os.environ.get("HF_TOKEN"):
-        pf.add("credentials", WARN, "HF_TOKEN is not set: the default suite's tasks fetch their data with it",
-               "export HF_TOKEN")
-    else:
-        pf.add("credentials", PASS, f"{var} set" if var else f"{args.sandbox} needs none that this script knows of")
+        return pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would fail to start",
+                      f"export {var} (the Harbor server this script starts inherits it)")
+    if args.dataset == DEFAULT_DATASET and not os.environ.get("HF_TOKEN"):
+        return pf.add("credentials", WARN, "HF_TOKEN is not set: the default suite's tasks fetch data with it",
+                      "export HF_TOKEN")
+    return pf.add("credentials", PASS, f"{var} set" if var else f"{args.sandbox} needs none that this script knows of")
 
 
 def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
     """--harbor-expose auto: (the server's --expose, why, whether the rule knows). The harness, not the trainer,
     calls the capture proxy, from wherever it runs."""
-    in_sandbox = [h for h in args.harnesses if h not in HOST_SIDE_AGENTS]
+    in_sandbox = ", ".join(h for h in args.harnesses if h not in HOST_SIDE_AGENTS)
     if not in_sandbox:
-        return "direct", (f"{args.harness} runs host-side, in the Harbor server's process (openenv's "
-                          "HOST_SIDE_AGENTS), so its model calls reach 127.0.0.1 whatever the sandbox"), True
-    where = ("runs off this host" if args.sandbox in OFF_HOST_SANDBOXES
-             else "has its own network namespace (docker's bridge network), where 127.0.0.1 is the sandbox itself"
-             if args.sandbox in OWN_NETWORK_SANDBOXES else "")
-    if where:
-        tunnel = "cloudflare" if shutil.which("cloudflared") else "gradio"
-        how = ("cloudflared is on PATH" if tunnel == "cloudflare"
-               else "no cloudflared on PATH; gradio's tunnel ships with openenv")
-        return tunnel, f"{', '.join(in_sandbox)} runs inside the {args.sandbox} sandbox, which {where}: {how}", True
-    return "direct", (f"{', '.join(in_sandbox)} runs inside the {args.sandbox} sandbox; whether that reaches this "
-                      "host's 127.0.0.1 is not known here"), False
+        return "direct", (f"{args.harness} runs host-side (openenv's HOST_SIDE_AGENTS): its model calls reach "
+                          "127.0.0.1 whatever the sandbox"), True
+    runs = f"{in_sandbox} runs inside the {args.sandbox} sandbox"
+    if args.sandbox in OFF_HOST_SANDBOXES:
+        runs += ", which runs off this host"
+    elif args.sandbox in OWN_NETWORK_SANDBOXES:
+        runs += ", which has its own network namespace (docker's bridge network): its 127.0.0.1 is its own"
+    else:
+        return "direct", f"{runs}; whether that reaches this host's 127.0.0.1 is not known here", False
+    if shutil.which("cloudflared"):
+        return "cloudflare", f"{runs}; cloudflared is on PATH", True
+    return "gradio", f"{runs}; no cloudflared on PATH, and gradio's tunnel ships with openenv", True
 
 
-def check_capture_url(pf: Preflight) -> None:
-    """Before starting our own server, which advertises the capture proxy where --harbor-expose says."""
+def check_capture_url(pf: Preflight) -> bool:
+    """Before our server starts: where it advertises the capture proxy to the harness (--harbor-expose)."""
     args = pf.args
     picked, why, known = pick_expose(args)
     probe = "confirm with --check --probe-rollout (one real rollout), or set --harbor-expose"
     if args.harbor_expose == "auto":
         args.harbor_expose = picked
-        pf.add("capture URL", PASS if known else WARN, f"--harbor-expose auto: {picked}. {why}", probe)
-    elif args.harbor_expose == "direct" and picked != "direct":
-        pf.sandbox_reachable = pf.add("capture URL", FAIL, f"--harbor-expose direct advertises 127.0.0.1, which the "
-                                      f"harness cannot reach: {why}", f"--harbor-expose {picked} (or auto)")
-    elif args.harbor_expose == "cloudflare" and not shutil.which("cloudflared"):
-        pf.sandbox_reachable = pf.add("capture URL", FAIL, "--harbor-expose cloudflare needs `cloudflared` on PATH",
-                                      "install cloudflared, or use --harbor-expose gradio")
-    elif args.harbor_expose == "direct" and not known:
-        pf.add("capture URL", WARN, f"--harbor-expose direct: {why}", probe)
-    else:
-        pf.add("capture URL", PASS, f"--harbor-expose {args.harbor_expose}")
+        return pf.add("capture URL", PASS if known else WARN, f"--harbor-expose auto: {picked}. {why}", probe)
+    if args.harbor_expose == "direct" and picked != "direct":
+        return pf.add("capture URL", FAIL, f"--harbor-expose direct advertises 127.0.0.1, which the harness cannot "
+                      f"reach: {why}", f"--harbor-expose {picked} (or auto)")
+    if args.harbor_expose == "cloudflare" and not shutil.which("cloudflared"):
+        return pf.add("capture URL", FAIL, "--harbor-expose cloudflare needs `cloudflared` on PATH",
+                      "install cloudflared, or use --harbor-expose gradio")
+    unknown = args.harbor_expose == "direct" and not known
+    return pf.add("capture URL", WARN if unknown else PASS, f"--harbor-expose {args.harbor_expose}"
+                  + (f": {why}" if unknown else ""), probe)
 
 
-def check_capture_reached(pf: Preflight) -> None:
-    """Our server started: one request through the URL it hands every sandbox (the tunnel's, when one is picked)
-    reaches this server's own capture proxy. Training asks it again before each rollout (`reach_capture`)."""
-    server, fix = pf.server, "a URL that does not answer here answers no sandbox: check this host's outbound " \
-                             "access to the tunnel's service, or pick another --harbor-expose"
-    if not server.public_url:
-        pf.sandbox_reachable = pf.settle("capture URL", FAIL, "the Harbor server printed no `capture ... -> URL` "
-                                         f"line (log: {server.log_path})", fix)
-        return
+def check_capture_reached(pf: Preflight) -> bool:
+    """Our server started: a request through the URL it hands every sandbox (the tunnel's, when one is picked)
+    reaches its own capture proxy. Training asks again before each rollout (reach_capture)."""
+    url, fix = pf.server.public_url, "check this host's access to the tunnel's service, or pick another --harbor-expose"
+    if not url:
+        return pf.amend("capture URL", f"the Harbor server printed no capture URL (log: {pf.server.log_path})",
+                        FAIL, fix)
     try:
-        ours = http_json(f"http://127.0.0.1:{server.capture_port}/health", timeout=15)
-        theirs = http_json(f"{server.public_url}/health", timeout=30)
+        ours = http_json(f"http://127.0.0.1:{pf.server.capture_port}/health", timeout=15)
+        theirs = http_json(f"{url}/health", timeout=30)
     except (OSError, ValueError) as exc:
-        pf.sandbox_reachable = pf.settle("capture URL", FAIL, f"{server.public_url}/health, the URL every sandbox "
-                                         f"is given, does not answer here ({type(exc).__name__}: {exc})", fix)
-        return
+        return pf.amend("capture URL", f"{url}/health, the URL every sandbox is given, does not answer here "
+                        f"({type(exc).__name__}: {exc})", FAIL, fix)
     if not isinstance(theirs, dict) or theirs.get("instance") != ours.get("instance"):
-        pf.sandbox_reachable = pf.settle("capture URL", FAIL, f"{server.public_url}/health answers, but not as this "
-                                         f"server's capture proxy ({str(theirs)[:200]})", fix)
-        return
-    pf.settle("capture URL", PASS, f"{server.public_url}/health reached this server's capture proxy from here")
-    pf.args.capture_url = server.public_url
+        return pf.amend("capture URL", f"{url}/health answers, but not as this server's capture proxy", FAIL, fix)
+    pf.args.capture_url = url
+    return pf.amend("capture URL", f"{url}/health reached this server's capture proxy from here")
 
 
-def check_harbor_waits_for_vllm(pf: Preflight) -> None:
-    pf.add("Harbor server", SKIP, "not checked: vLLM must answer first (the server samples from it); harness, "
-           "sandbox, dataset and task names are checked once it does")
-
-
-def closest_first(name: str, choices: Any) -> list[str]:
-    return difflib.get_close_matches(name, list(choices), n=len(choices), cutoff=0)
-
-
-def harbor_environment_types() -> set[str]:
-    """Sandbox types Harbor itself knows; the server advertises (and credential-checks) only a few of them."""
-    try:
-        from harbor.models.environment_type import EnvironmentType
-    except ImportError:
-        return OFF_HOST_SANDBOXES | {"docker", "podman"}
-    return {t.value for t in EnvironmentType}
-
-
-def check_harbor_server(pf: Preflight) -> None:
-    """Ours started, or yours reached: its splits and capabilities, which the rows after this one judge."""
+def check_harbor_server(pf: Preflight) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+    """Ours started, or yours reached: (its splits, its capabilities), which the rows after this one judge."""
     args, server = pf.args, pf.server
     if server is not None:
         try:
@@ -2070,78 +1900,79 @@ def check_harbor_server(pf: Preflight) -> None:
             tail = server.log_path.read_text(errors="replace").splitlines()[-15:]
             pf.add("Harbor server", FAIL, "\n".join([str(exc), *(f"    {line}" for line in tail)]),
                    "fix what its log says, or pass --harbor-url")
-            return
+            return None
         args.harbor_url = server.url
-        pf.add("Harbor server", PASS, f"started {server.url} in {seconds:.0f}s (log: {server.log_path})")
     client = HarborEnv(base_url=args.harbor_url)
     try:
-        splits = client.splits()
-        capabilities = client.capabilities()
+        found = client.splits(), client.capabilities()
     except Exception as exc:  # noqa: BLE001 - any failure here means the same thing to the user
         pf.add("Harbor server", FAIL, f"Harbor server not reachable at {args.harbor_url} ({type(exc).__name__}: "
-               f"{exc})", "start `openenv harbor serve ... --expose direct`, fix --harbor-url, or drop --harbor-url "
-               "to let this script start one")
-        return
+               f"{exc})", "start `openenv harbor serve ... --expose direct`, fix --harbor-url, or drop it")
+        return None
     finally:
         client.close()
-    if server is None and args.sandbox in TEMPLATE_BUILDING_SANDBOXES:
-        pf.add("Harbor server", PASS, f"{args.harbor_url} (yours; its environment is not visible from here: it "
-               f"needs HARBOR_SHARED_ENV_NAME and OPENENV_HARBOR_AGENT_VERSIONS, docs/harbor-server.md)")
-    elif server is None:
+    if server is not None:
+        pf.add("Harbor server", PASS, f"started {server.url} in {seconds:.0f}s (log: {server.log_path})")
+    elif args.sandbox in TEMPLATE_BUILDING_SANDBOXES:
+        pf.add("Harbor server", PASS, f"{args.harbor_url} (yours: it needs HARBOR_SHARED_ENV_NAME and "
+               "OPENENV_HARBOR_AGENT_VERSIONS in its environment, docs/harbor-server.md)")
+    else:
         pf.add("Harbor server", PASS, f"{args.harbor_url} (yours)")
-    pf.splits, pf.capabilities = splits, capabilities
+    return found
 
 
-def check_harness(pf: Preflight) -> None:
-    harnesses = {h["name"]: h for h in pf.capabilities.get("harnesses", [])}
+def closest_first(name: str, choices: Any) -> str:
+    return ", ".join(difflib.get_close_matches(name, list(choices), n=len(choices), cutoff=0))
+
+
+def check_harness(pf: Preflight, capabilities: dict[str, Any]) -> None:
+    served = {h["name"]: h for h in capabilities.get("harnesses", [])}
     for name in pf.args.harnesses:
-        harness = harnesses.get(name)
-        if harness is None and ":" not in name:  # `module:Class` is a custom harness the server imports
-            pf.add("harness", FAIL, f"unknown harness {name!r}; this server has: "
-                   f"{', '.join(closest_first(name, harnesses))}")
-        elif harness and harness.get("status", "").split(":")[0] in ("blocked", "unsupported"):
-            pf.add("harness", FAIL, f"harness {name!r} cannot run on this server: {harness['status']}",
-                   "pick a validated harness")
+        status = served[name].get("status", "?") if name in served else "custom import"
+        if name not in served and ":" not in name:  # `module:Class` is a custom harness the server imports
+            pf.add("harness", FAIL, f"unknown harness {name!r}; this server has: {closest_first(name, served)}")
+        elif status.split(":")[0] in ("blocked", "unsupported"):
+            pf.add("harness", FAIL, f"harness {name!r} cannot run on this server: {status}", "pick a validated harness")
         else:
-            pf.add("harness", PASS, f"{name} ({harness.get('status', '?') if harness else 'custom import'})")
+            pf.add("harness", PASS, f"{name} ({status})")
 
 
-def check_sandbox(pf: Preflight) -> None:
-    args = pf.args
-    sandboxes = {s["name"]: s for s in pf.capabilities.get("sandboxes", [])}
-    box = sandboxes.get(args.sandbox)
-    if box is None and args.sandbox in harbor_environment_types():
-        pf.add("sandbox", WARN, f"the Harbor server does not advertise {args.sandbox!r}, so its credentials were "
-               "not checked", "run `openenv harbor info` on the server")
-    elif box is None:
-        pf.add("sandbox", FAIL, f"unknown sandbox {args.sandbox!r}; this server has: "
-               f"{', '.join(closest_first(args.sandbox, sandboxes))}")
-    elif not box.get("available"):
-        pf.add("sandbox", FAIL, f"sandbox {args.sandbox!r} is not usable on the Harbor server: {box.get('detail', '')}",
+def check_sandbox(pf: Preflight, capabilities: dict[str, Any]) -> None:
+    name, served = pf.args.sandbox, {s["name"]: s for s in capabilities.get("sandboxes", [])}
+    try:  # the server advertises (and checks the credentials of) only a few of the sandboxes Harbor knows
+        from harbor.models.environment_type import EnvironmentType
+        known = {t.value for t in EnvironmentType}
+    except ImportError:
+        known = OFF_HOST_SANDBOXES | OWN_NETWORK_SANDBOXES
+    if name not in served and name in known:
+        pf.add("sandbox", WARN, f"the Harbor server does not advertise {name!r}, so its credentials were not checked",
+               "run `openenv harbor info` on the server")
+    elif name not in served:
+        pf.add("sandbox", FAIL, f"unknown sandbox {name!r}; this server has: {closest_first(name, served)}")
+    elif not served[name].get("available"):
+        pf.add("sandbox", FAIL, f"sandbox {name!r} is not usable on the Harbor server: {served[name].get('detail')}",
                "set its credentials in the Harbor server's environment")
     else:
-        pf.add("sandbox", PASS, f"{args.sandbox} ({box.get('detail') or 'available'})")
+        pf.add("sandbox", PASS, f"{name} ({served[name].get('detail') or 'available'})")
 
 
-def check_servers_engine(pf: Preflight) -> None:
+def check_servers_engine(pf: Preflight, capabilities: dict[str, Any]) -> None:
     args = pf.args
-    pf.plan["llm"] = llm = pf.capabilities.get("llm") or {}
+    pf.plan["llm"] = llm = capabilities.get("llm") or {}
+    url, level = llm.get("url", "?"), llm.get("capture_level") or "unknown"
     # Names are compared as given: this host cannot tell the server's localhost from ours (--allow-engine-mismatch).
-    engine, ours = (urllib.parse.urlsplit(url) for url in (llm.get("url", ""), args.vllm_url))
+    engine, ours = (urllib.parse.urlsplit(u) for u in (llm.get("url", ""), args.vllm_url))
     if args.measure:
-        pf.add("server's engine", PASS, f"{llm.get('url')}: {llm.get('capture_level') or '?'} capture (measuring needs "
-               "no token ids)")
-    elif llm.get("capture_level") != "tokens" or not llm.get("ok", True):
-        pf.add("server's engine", FAIL, f"the Harbor server's engine {llm.get('url', '?')} cannot be trained on "
-               f"(capture level {llm.get('capture_level') or 'unknown'}): vLLM must run with "
-               "--return-tokens-as-token-ids and --logprobs-mode processed_logprobs",
-               "restart vLLM with those flags, then the Harbor server")
+        pf.add("server's engine", PASS, f"{url}: {level} capture (measuring needs no token ids)")
+    elif level != "tokens" or not llm.get("ok", True):
+        pf.add("server's engine", FAIL, f"the Harbor server's engine {url} captures {level}, not tokens",
+               "restart vLLM with --return-tokens-as-token-ids --logprobs-mode processed_logprobs, then the server")
     elif (engine.hostname, engine.port) != (ours.hostname, ours.port):
-        pf.add("server's engine", WARN if args.allow_engine_mismatch else FAIL, f"the Harbor server samples from "
-               f"{llm.get('url')} but weights go to {args.vllm_url}: unless they are the same vLLM, no rollout uses "
-               "the trained weights", "point both at the same vLLM, or pass --allow-engine-mismatch if they are")
+        pf.add("server's engine", WARN if args.allow_engine_mismatch else FAIL, f"the Harbor server samples from {url}"
+               f", weights go to {args.vllm_url}: unless one vLLM, no rollout uses the trained weights",
+               "point both at the same vLLM, or pass --allow-engine-mismatch if they are")
     else:
-        pf.add("server's engine", PASS, f"{llm.get('url')}: tokens, the vLLM the trainer updates")
+        pf.add("server's engine", PASS, f"{url}: tokens, the vLLM the trainer updates")
 
 
 def check_session_slots(pf: Preflight) -> None:
@@ -2152,34 +1983,28 @@ def check_session_slots(pf: Preflight) -> None:
     try:
         for opened, session in enumerate(sessions):
             session.open()
-        pf.add("session slots", PASS, f">= {needed} free (--max-inflight"
-               f"{', twice: --eval-tasks' if needed > args.max_inflight else ''})")
+        pf.add("session slots", PASS, f">= {needed} free (--max-inflight, x2 with --eval-tasks)")
     except (OSError, RuntimeError) as exc:
-        pf.add("session slots", FAIL, f"the Harbor server has only {opened} free session slots of the {needed} that "
-               f"--max-inflight (x2 with --eval-tasks) needs ({exc}); restart it with MAX_CONCURRENT_ENVS="
-               f"{2 * needed} (twice that leaves room for a previous run's sessions)")
+        pf.add("session slots", FAIL, f"only {opened} free session slots of the {needed} --max-inflight (x2 with "
+               f"--eval-tasks) needs ({exc})", f"restart the Harbor server with MAX_CONCURRENT_ENVS={2 * needed}")
     finally:
         for session in sessions:
             session.close()
 
 
-def check_dataset(pf: Preflight) -> None:
-    args, splits = pf.args, pf.splits
-    names = [s["name"] for s in splits]
+def check_dataset(pf: Preflight, splits: list[dict[str, Any]]) -> None:
+    args, names = pf.args, [s["name"] for s in splits]
     # A server started on a local copy of the default suite names its split by path.
     default_copy = names[0] if len(names) == 1 and args.dataset == DEFAULT_DATASET else ""
     split = args.split or (args.dataset if args.dataset in names else default_copy)
     if split not in names:
         pf.add("dataset", FAIL, f"the Harbor server does not serve {args.split or args.dataset!r}; it serves: "
-               f"{', '.join(names) or 'nothing'}",
-               f"start it with --dataset {args.dataset}, pass --split, or drop --harbor-url")
-        return
-    split_info = next(s for s in splits if s["name"] == split)
-    if split_info.get("error"):
-        pf.add("dataset", FAIL, f"the Harbor server could not load {split!r}: {split_info['error']}")
-        return
-    pf.add("dataset", PASS, f"{split} ({split_info.get('num_tasks', '?')} tasks)")
-    pf.plan["split"] = split
+               f"{', '.join(names) or 'nothing'}", f"start it with --dataset {args.dataset}, or pass --split")
+    elif error := splits[names.index(split)].get("error"):
+        pf.add("dataset", FAIL, f"the Harbor server could not load {split!r}: {error}")
+    else:
+        pf.add("dataset", PASS, f"{split} ({splits[names.index(split)].get('num_tasks', '?')} tasks)")
+        pf.plan["split"] = split
 
 
 def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
@@ -2192,58 +2017,48 @@ def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[s
         client.close()
 
 
-def check_tasks(pf: Preflight) -> None:
+def check_tasks(pf: Preflight, catalogue: list[dict[str, Any]]) -> None:
     args, split = pf.args, pf.plan["split"]
     if args.tasks == DEFAULT_TASKS and split != DEFAULT_DATASET and args.dataset != DEFAULT_DATASET:
         pf.add("tasks", FAIL, f"--tasks: the default task list is for {DEFAULT_DATASET}",
                f"give the tasks of {split!r} (e.g. --tasks 0-99)")
         return
     try:
-        tasks = resolve_tasks(read_task_spec(args.tasks), fetch_catalogue(args.harbor_url, split))
+        pf.plan["tasks"] = tasks = resolve_tasks(read_task_spec(args.tasks), catalogue)
     except UsageError as exc:
         pf.add("tasks", FAIL, str(exc))
         return
-    pf.add("tasks", PASS, f"{len(tasks)}: {', '.join(t['task_name'] for t in tasks[:5])}"
-           f"{', ...' if len(tasks) > 5 else ''}")
-    pf.plan["tasks"] = tasks
+    more = ", ..." if len(tasks) > 5 else ""
+    pf.add("tasks", PASS, f"{len(tasks)}: {', '.join(t['task_name'] for t in tasks[:5])}{more}")
 
 
-def check_eval_tasks(pf: Preflight) -> None:
+def check_eval_tasks(pf: Preflight, catalogue: list[dict[str, Any]]) -> None:
     args = pf.args
     try:
-        pf.plan["eval_tasks"] = resolve_tasks(read_task_spec(args.eval_tasks),
-                                              fetch_catalogue(args.harbor_url, pf.plan["split"]))
-        pf.add("eval tasks", PASS, f"{len(pf.plan['eval_tasks'])} held out, {args.eval_k} rollouts each, before "
-               f"training{f', every {args.eval_steps} steps' if args.eval_steps else ''} and after the last step")
+        pf.plan["eval_tasks"] = tasks = resolve_tasks(read_task_spec(args.eval_tasks), catalogue)
     except UsageError as exc:
         pf.add("eval tasks", FAIL, str(exc).replace("--tasks", "--eval-tasks", 1))
+        return
+    every = f", every {args.eval_steps} steps" if args.eval_steps else ""
+    pf.add("eval tasks", PASS, f"{len(tasks)} x {args.eval_k} rollouts, before training{every} and after it")
 
 
-# e2b answers a lifetime beyond the plan's with a plain SandboxException (400), told apart by its text alone.
+# e2b refuses a lifetime beyond the plan's with a plain SandboxException (400), told apart by its text alone.
 E2B_LIFETIME_REFUSED = "Timeout cannot be greater than"
 # A sandbox provider's plan refusing Harbor's sandboxes, as a rollout's result holds it: Harbor records the e2b SDK's
 # exception type (e2b/api/__init__.py maps the API's HTTP status to it) and message as exception_type and error.
 PLAN_REFUSALS = {
     "RateLimitException": ("refused another sandbox (429): the plan's concurrent-sandbox limit (or its start rate) is "
-                           "reached", "lower --max-inflight to at most the plan's concurrent sandboxes (e2b: 20 on "
-                           "Hobby, 100 on Pro) less those other runs hold, or raise the plan's limit"),
+                           "reached", "lower --max-inflight to the plan's concurrent sandboxes (e2b: 20 on Hobby, "
+                           "100 on Pro) less those other runs hold, or raise the plan's limit"),
     "ServiceBusyException": ("had no capacity for a sandbox (503)", "retry later; nothing was started"),
-    "AuthenticationException": ("refused the API key (401)", "set a valid key (E2B_API_KEY) where the Harbor server "
-                                                             "runs"),
+    "AuthenticationException": ("refused the API key (401)", "set a valid E2B_API_KEY where the Harbor server runs"),
     "SandboxNotRunningException": ("ended the sandbox mid-rollout (killed, or its lifetime ran out)",
-                                   "lower --agent-timeout: with setup and verification it must fit the plan's sandbox "
-                                   "lifetime"),
-    E2B_LIFETIME_REFUSED: (
-        "refused the sandbox's lifetime (400): Harbor asks 24 h for every e2b sandbox (harbor 0.25's E2BEnvironment; "
-        "openenv 0.10 passes no shorter one), beyond the plan's cap", "a plan whose sandboxes may live 24 h (e2b Pro; "
-                                                                      "Hobby caps them at 1 h)"),
+                                   "lower --agent-timeout to fit the plan's sandbox lifetime"),
+    E2B_LIFETIME_REFUSED: ("refused the sandbox's lifetime (400): Harbor asks 24 h for every e2b sandbox (harbor "
+                           "0.25), beyond the plan's cap", "a plan whose sandboxes may live 24 h (e2b Pro; Hobby caps "
+                           "them at 1 h)"),
 }
-
-
-def plan_refusal(r: HarborRolloutResult) -> tuple[str, str] | None:
-    """(what the provider refused, the fix) when a rollout's sandbox was refused by the plan or quota, else None."""
-    lifetime = r.exception_type == "SandboxException" and E2B_LIFETIME_REFUSED in (r.error or "")
-    return PLAN_REFUSALS.get(E2B_LIFETIME_REFUSED if lifetime else r.exception_type or "")
 
 
 def check_probe_rollout(pf: Preflight) -> None:
@@ -2265,125 +2080,88 @@ def check_probe_rollout(pf: Preflight) -> None:
     finally:
         client.close()
     failure = judge_rollout(r, task["task_name"], require_tokens=not args.measure, reward_key=args.reward_key)
-    where = f"{task['task_name']} in {time.monotonic() - t0:.0f}s, {r.n_turns} turns"
     if failure is not None and failure.kind == "reward_key":
-        pf.add("reward key", FAIL, failure.message,
-               "pass one of those to --reward-key (a comma-separated list is tried in order)")
+        pf.add("reward key", FAIL, failure.message, "pass one of those to --reward-key (a list is tried in order)")
         return
     if r.reward is not None:
         pf.add("reward key", PASS, f"{key!r} = {r.reward:g} ({', '.join(sorted(r.rewards)) or 'none'} emitted)")
-    if failure is not None and (refused := plan_refusal(r)):
+    where = f"{task['task_name']} in {time.monotonic() - t0:.0f}s, {r.n_turns} turns"
+    lifetime = r.exception_type == "SandboxException" and E2B_LIFETIME_REFUSED in (r.error or "")
+    refused = PLAN_REFUSALS.get(E2B_LIFETIME_REFUSED if lifetime else r.exception_type or "")
+    if failure is not None and refused:
         pf.add("probe rollout", FAIL, f"{where}: {args.sandbox} {refused[0]} ({r.exception_type}: "
                f"{' '.join((r.error or '').split())[:300]})", refused[1])
     elif failure is not None:
         pf.add("probe rollout", FAIL, f"{where}: {failure.message[:500]}",
                f"read the agent log tail: {r.agent_log_tail[-200:]!r}" if r.agent_log_tail else "")
-    else:
-        pf.add("probe rollout", PASS if r.rollout_type == "train" else FAIL,
-               f"{where}, {r.rollout_type} tier, {r.n_trainable_tokens} trainable tokens")
-        if r.n_turns:
-            pf.confirm("capture URL", f"the probe rollout's harness reached it ({r.n_turns} model calls)")
+    elif pf.add("probe rollout", PASS if r.rollout_type == "train" else FAIL,
+                f"{where}, {r.rollout_type} tier, {r.n_trainable_tokens} trainable tokens") and r.n_turns:
+        pf.amend("capture URL", f"the probe rollout's harness reached it ({r.n_turns} model calls)", PASS)
 
 
-class PreflightCheck(NamedTuple):
-    """A row of the preflight (a few, where one question asked once answers them), as `--check` prints it."""
-    rows: tuple[str, ...]  # the rows it may add
-    run: Callable[[Preflight], None]
-    needs: tuple[str, ...]  # Preflight's conditions that must all hold for it to run; else it adds no row
-    protects: str  # what it protects the user from
-
-
-# Every check, in the order `--check` prints them: cheapest first. The checks that need no server run whatever a server
-# says, so one table shows every local problem even while vLLM is down; a check whose `needs` a failure left unmet
-# adds no row, which ends the table where nothing after it could mean anything.
-PREFLIGHT_CHECKS = [
-    PreflightCheck(("output dir",), check_output_dir, (),
-                   "a run whose first checkpoint cannot be written, after a step of paid rollouts"),
-    PreflightCheck(("resume",), check_resume, ("training", "writable"),
-                   "writing over another run's checkpoints, and resuming from a damaged one or one of another shape"),
-    PreflightCheck(("tasks",), check_task_spec, (),
-                   "a typo in --tasks found only once the servers are up"),
-    PreflightCheck(("measure",), check_measure, ("measuring",),
-                   "measuring other counts than meant: rollouts per task and in flight, said before any is paid for"),
-    PreflightCheck(("GRPO",), check_grpo, ("training",),
-                   "training on other group sizes than meant: said before any rollout is paid for"),
-    PreflightCheck(("vLLM reachable",), check_vllm_reachable, ("training",),
-                   "a trainer that loads its weights for a vLLM that is not up, or at another URL"),
-    PreflightCheck(("served model",), check_served_model, ("vllm_answers",),
-                   "pushing the trainer's weights into another model than vLLM serves"),
-    PreflightCheck(("capture tier",), check_capture_tier, ("vllm_answers",),
-                   "rollouts with nothing to train on (no token ids) or with wrong importance ratios (raw logprobs)"),
-    PreflightCheck(("tool calls",), check_tool_calls, ("vllm_answers",),
-                   "agent rollouts that fail at their first tool call"),
-    PreflightCheck(("weight transfer",), check_weight_transfer, ("vllm_answers",),
-                   "a trainer that cannot push its weights, so that every rollout samples the untrained model"),
-    PreflightCheck(("vLLM on loopback",), check_vllm_on_loopback, ("vllm_dev_mode",),
-                   "anyone who reaches a dev-mode vLLM driving it (pausing it, loading other weights), or with ipc "
-                   "running code as its user: it unpickles every push"),
-    PreflightCheck(("trainer ranks",), check_trainer_ranks, ("ipc",),
-                   "several trainer processes pushing to an ipc vLLM, which takes each push from one"),
-    PreflightCheck(("dtype",), check_dtype, ("vllm_answers",),
-                   "a precision gap between trainer and vLLM in every importance ratio"),
-    PreflightCheck(("LoRA",), check_lora_engine, ("vllm_dev_mode", "peft"),
-                   "every rollout sampling the untrained base: an --enable-lora vLLM gets adapters under names the "
-                   "capture proxy never asks for"),
-    PreflightCheck(("context",), check_context, ("vllm_answers",),
-                   "rollouts cut at vLLM's context limit before their turn budget is spent"),
-    PreflightCheck(("LoRA targets",), check_lora_targets, ("training", "peft"),
-                   "adapters PEFT cannot place, or one on a tied weight that leaves its twin at the base"),
-    PreflightCheck(("precision",), check_precision, ("training",),
-                   "updates that round to no change, so the run silently stops learning; FSDP pushes of another "
-                   "dtype than vLLM was told"),
-    PreflightCheck(("checkpoints",), check_checkpoints, ("training",),
-                   "a disk that fills mid-run"),
-    PreflightCheck(("trainer GPU",), check_trainer_gpu, ("training",),
-                   "a trainer on vLLM's GPU or a busy one (NCCL refuses two ranks on one device), or a CPU trainer "
-                   "for CUDA IPC"),
-    PreflightCheck(("same GPU",), check_same_gpu, ("ipc",),
-                   "a CUDA IPC push from another GPU than vLLM's, which fails at the first step"),
-    PreflightCheck(("attention kernel",), check_attention_kernel, ("training",),
-                   "an attention kernel missing or unbuilt for this GPU, found at the first step: after the weights "
-                   "load, the first push and the first paid group"),
-    PreflightCheck(("trainer memory",), check_trainer_memory, ("training",),
-                   "running out of GPU memory at the first step, after a group of paid rollouts, and a trainer that "
-                   "grows into vLLM's share of its GPU"),
-    PreflightCheck(("credentials",), check_credentials, ("own_server",),
-                   "every sandbox failing to start for a missing API key"),
-    PreflightCheck(("capture URL",), check_capture_url, ("own_server",),
-                   "a harness that cannot reach the capture proxy, so that no rollout records a token"),
-    PreflightCheck(("Harbor server",), check_harbor_waits_for_vllm, ("vllm_down",),
-                   "a Harbor server started for a vLLM that does not answer: it samples from it"),
-    PreflightCheck(("Harbor server",), check_harbor_server, ("ready_for_harbor",),
-                   "a Harbor server that is down or fails to start (its log's tail is on the row)"),
-    PreflightCheck(("capture URL",), check_capture_reached, ("own_server", "harbor_answers"),
-                   "paid rollouts whose harness cannot reach the capture proxy: the URL the sandboxes are given is "
-                   "asked once here, and before each rollout during training"),
-    PreflightCheck(("harness",), check_harness, ("harbor_answers",),
-                   "a harness name with a typo, or one this server cannot run"),
-    PreflightCheck(("sandbox",), check_sandbox, ("harbor_answers",),
-                   "a sandbox name with a typo, or one without credentials on the server"),
-    PreflightCheck(("server's engine",), check_servers_engine, ("harbor_answers",),
-                   "rollouts sampled from another vLLM than the one the trainer updates, or without token ids"),
-    PreflightCheck(("session slots",), check_session_slots, ("harbor_answers",),
-                   "rollouts refused by a server with fewer session slots than --max-inflight"),
-    PreflightCheck(("dataset",), check_dataset, ("harbor_answers",),
-                   "asking a server for a split it does not serve"),
-    PreflightCheck(("tasks",), check_tasks, ("split_served",),
-                   "task names or indices the served split lacks"),
-    PreflightCheck(("eval tasks",), check_eval_tasks, ("tasks_found", "eval_tasks_given"),
-                   "held-out tasks the served split lacks, found at the first eval"),
-    PreflightCheck(("reward key", "probe rollout"), check_probe_rollout, ("tasks_found", "sandbox_reachable"),
-                   "a reward key the verifier never emits, so that every reward is 0; one rollout proves sandbox, "
-                   "harness, capture URL and reward key end to end"),
-]
-
-
-def preflight(pf: Preflight) -> dict[str, Any]:
-    """Each check whose needs hold, in order; the plan that training takes from them."""
-    for check in PREFLIGHT_CHECKS:
-        if all(getattr(pf, need) for need in check.needs):
-            check.run(pf)
-    return pf.plan
+def preflight(args: argparse.Namespace, server: EmbeddedHarborServer | None = None) -> tuple[int | None, dict]:
+    """Every row in the order `--check` prints them; returns Preflight.verdict's exit code and the plan training takes.
+    The rows that need no server run whatever the servers say, so one table shows every local problem even while
+    vLLM is down; a row whose input an earlier FAIL took away is left out."""
+    pf, training = Preflight(args, server), not args.measure
+    check_output_dir(pf)
+    if training and pf.writable:
+        check_resume(pf)
+    spec_read = check_task_spec(pf)
+    if training:
+        pf.add("GRPO", PASS, f"{args.num_generations} generations per group, {args.max_inflight} rollouts in flight")
+        report = check_vllm_reachable(pf)
+    else:  # measuring samples through the Harbor server's own engine and loads no weights: no vLLM or trainer rows
+        pf.add("measure", PASS, f"{args.eval_k} rollouts per task, {args.max_inflight} in flight; no trainer")
+    if pf.served is not None:
+        check_served_model(pf)
+        check_capture_tier(pf, report)
+        check_tool_calls(pf, report)
+        check_weight_transfer(pf)
+        if pf.vllm_config is not None:
+            check_vllm_on_loopback(pf)
+        if pf.ipc:
+            check_trainer_ranks(pf)
+        check_dtype(pf)
+        if pf.vllm_config is not None and args.use_peft:
+            check_lora_engine(pf)
+        check_context(pf)
+    if training:
+        if args.use_peft:
+            check_lora_targets(pf)
+        check_precision(pf)
+        check_checkpoints(pf)
+        check_trainer_gpu(pf)
+        if pf.ipc:
+            check_same_gpu(pf)
+        check_attention_kernel(pf)
+        check_trainer_memory(pf)
+    reachable = True  # the sandboxes start and reach the capture proxy, as far as this process can tell
+    if server is not None:
+        reachable = check_credentials(pf)
+        reachable = check_capture_url(pf) and reachable
+    found = None
+    if training and pf.served is None:
+        pf.add("Harbor server", SKIP, "not checked: vLLM must answer first (the server samples from it)")
+    elif pf.writable and reachable and spec_read:
+        found = check_harbor_server(pf)
+    if found is not None:
+        splits, capabilities = found
+        if server is not None:
+            reachable = check_capture_reached(pf)
+        check_harness(pf, capabilities)
+        check_sandbox(pf, capabilities)
+        check_servers_engine(pf, capabilities)
+        check_session_slots(pf)
+        check_dataset(pf, splits)
+    if "split" in pf.plan:
+        catalogue = fetch_catalogue(args.harbor_url, pf.plan["split"])
+        check_tasks(pf, catalogue)
+        if "tasks" in pf.plan and args.eval_tasks and training:
+            check_eval_tasks(pf, catalogue)
+    if "tasks" in pf.plan and reachable:
+        check_probe_rollout(pf)
+    return pf.verdict(), pf.plan
 
 
 # --- Measure and curate: pass rates per task, and the tasks that can teach --------------------------------------------
@@ -3627,15 +3405,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code, plan = None, {}
         if rank == 0:
-            pf = Preflight(args, server)
-            plan = preflight(pf)
-            pf.print()
-            if pf.failures:
-                print(pf.error_line(), file=sys.stderr)
-                code = 2
-            elif args.check:
-                print(f"preflight: no failures ({sum(r[1] == WARN for r in pf.rows)} warnings)", flush=True)
-                code = 0
+            code, plan = preflight(args, server)
         if group is not None:
             shared = [(code, plan, args.run_name, args.output_dir, args.harbor_url)]
             dist.broadcast_object_list(shared, src=0, group=group)
