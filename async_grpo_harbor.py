@@ -354,13 +354,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in sorted(given() - OWN_FLAGS)) or "none"
         raise UsageError(f"AsyncGRPOConfig could not be built (TRL flags given: {flags}): "
                          f"{' '.join(str(exc).split())}") from None
-    if unknown_keys:
-        keys = ", ".join(key.removeprefix("--") for key in unknown_keys[::2])
-        raise UsageError(f"--config {recipe}: unknown key(s) {keys}: no flag nor field (--help-all lists them)")
-    if unknown:
-        decided = HarborGRPOConfig.__dataclass_fields__.get(unknown[0].split("=")[0].lstrip("-").replace("-", "_"))
-        why = f"; this script sets it {decided.metadata['help']}" if decided else " (--help-all lists every flag)"
-        raise UsageError(f"unrecognized arguments: {' '.join(unknown)}{why}")
+    for name, given_as in ([(key, f"--config {recipe}: unknown key(s)") for key in unknown_keys[::2]]
+                           + [(arg, "unrecognized arguments:") for arg in unknown[:1]]):
+        decided = HarborGRPOConfig.__dataclass_fields__.get(name.split("=")[0].lstrip("-").replace("-", "_"))
+        why = (f"; this script sets it {decided.metadata['help']}" if decided and not decided.init
+               else ": no flag nor field (--help-all lists every flag)")
+        what = " ".join(unknown) if given_as.startswith("unrecognized") else name.removeprefix("--")
+        raise UsageError(f"{given_as} {what}{why}")
     # One namespace: the script's flags, HarborGRPOConfig's own fields, the config the trainer gets, and the other
     # AsyncGRPOConfig fields the user set (for the hyper-parameter table).
     args = argparse.Namespace(**vars(script), **vars(lora),
@@ -624,8 +624,10 @@ class HarborServerSession:
             conn.connect()
             # A rollout is one request silent for minutes: without keepalive a NAT on the way drops it unseen.
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            if hasattr(socket, "TCP_KEEPIDLE"):  # the idle time before the first probe; Linux's default is 2 h
-                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
+            # Linux's defaults (2 h idle, 9 probes 75 s apart) would find a vanished host only after ~12 minutes.
+            for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+                if hasattr(socket, option):
+                    conn.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
             with self._lock:
                 if cut and self.closed:
                     raise RuntimeError("session closed")
@@ -715,6 +717,8 @@ class HarborSession(ResourceSession):
         while not self._stopped.is_set():
             try:
                 f.reach_capture()
+                if self._stopped.is_set():  # stopped while the tunnel answered (up to its 30 s timeout)
+                    return None
                 client.open()
                 f.server_answered()
                 self.retries, lost = self.retries + lost, False
@@ -1152,8 +1156,9 @@ def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
     width = getattr(torch, dtype).itemsize
     recomputed = (RECOMPUTE_FROZEN if adapter else RECOMPUTE_FULL) * (hidden + intermediate) + LORA_INPUT * adapted
-    head_dim = getattr(text, "head_dim", None) or hidden // text.num_attention_heads
-    kv = 2 * layers * getattr(text, "num_key_value_heads", text.num_attention_heads) * head_dim * 2  # K and V
+    heads = getattr(text, "num_attention_heads", 0)  # 0: an attention-free model keeps no KV cache
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
+    kv = 2 * layers * getattr(text, "num_key_value_heads", heads) * head_dim * 2  # K and V
     return TrainerShape(model_shape(args.model)[0], width, adapter, merged, hidden * max(text.vocab_size, intermediate),
                         layers * hidden * width, recomputed, kv)
 
@@ -1404,6 +1409,21 @@ def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress
     return found
 
 
+def serving_processes(port: int) -> set[int]:
+    """The processes holding a socket listening on `port`, and their descendants: vLLM's API server holds the port,
+    its engine core (the process on the GPU) is a child of it."""
+    inodes = {f"socket:[{inode}]" for _, inode in listening_sockets(port)}
+    parents, tree = {}, set()
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):  # not a pid, gone meanwhile, or another user's
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                tree.add(int(proc.name))
+    while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
+        tree |= grown
+    return tree
+
+
 def check_vllm_on_loopback(pf: Preflight) -> None:
     """Dev mode (which the weight push needs) serves /collective_rpc and the weight-transfer routes to whoever reaches
     vLLM's port: with ipc they unpickle what they are sent (FAIL beyond loopback); with nccl they let anyone pause
@@ -1617,7 +1637,7 @@ def check_trainer_gpu(pf: Preflight) -> None:
     visible = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not gpus and cuda:
-        floor = CUDA_DRIVER_FLOOR[int(cuda.split(".")[0])]
+        floor = CUDA_DRIVER_FLOOR.get(int(cuda.split(".")[0]), 0)  # 0: a CUDA major this table does not know
         driver = (nvidia_smi("--query-gpu=driver_version") or [[""]])[0][0]
         fix = f"install NVIDIA driver >= {floor} (Linux), the oldest that runs CUDA {cuda}"
         if not driver:
@@ -1680,8 +1700,12 @@ def check_same_gpu(pf: Preflight) -> None:
         return
     props, apps = torch.cuda.get_device_properties(0), pf.gpu_apps
     mine = str(props.uuid).lower().removeprefix("gpu-")
-    vllm = {uuid: pids for uuid, procs in (apps or {}).items()
-            if (pids := [a[0] for a in procs if "vllm" in a[1].lower() and a[0] != os.getpid()])}
+    # The processes serving --vllm-url's port first: another run's vLLM may share this host. By name only where they
+    # are not visible here (another user's, another PID namespace).
+    server = serving_processes(url_port(pf.args.vllm_url)) - {os.getpid()} if apps else set()
+    vllm = {uuid: pids for uuid, procs in (apps or {}).items() if (pids := [a[0] for a in procs if a[0] in server])}
+    vllm = vllm or {uuid: pids for uuid, procs in (apps or {}).items()
+                    if (pids := [a[0] for a in procs if "vllm" in a[1].lower() and a[0] != os.getpid()])}
     if apps is None:
         unknown = "nvidia-smi is unavailable"
     elif (mine.startswith("mig-") or " MIG " in f" {props.name} " or any(uuid.startswith("mig-") for uuid in apps)
@@ -1713,9 +1737,9 @@ def check_attention_kernel(pf: Preflight) -> None:
         return
     props = torch.cuda.get_device_properties(0)
     gpu = f"{props.name} (compute capability {props.major}.{props.minor}), torch {torch.__version__}"
-    q = torch.randn(1, 2, 8, 64, device="cuda:0", dtype=torch.bfloat16)
-    cu = torch.tensor([0, 8], device="cuda:0", dtype=torch.int32)
-    try:  # TRL loads its kernel from the hub at the first call, and caches it
+    try:  # TRL loads its kernel from the hub at the first call, and caches it; a GPU torch has no build for fails
+        q = torch.randn(1, 2, 8, 64, device="cuda:0", dtype=torch.bfloat16)
+        cu = torch.tensor([0, 8], device="cuda:0", dtype=torch.int32)
         packing.tree_attention(None, q, q, q, None, tree_kv_index=torch.arange(8, device="cuda:0"),
                                tree_cu_seqlens_q=cu, tree_cu_seqlens_k=cu, tree_max_seqlen_q=8, tree_max_seqlen_k=8)
         torch.cuda.synchronize(0)
