@@ -3303,6 +3303,28 @@ def read_only(*queues: Any) -> None:
         q._writer.close()  # private: mp.Queue has no public way to close its write end
 
 
+class ChildQueue:
+    """A queue the rollout child writes, as the trainer reads it (TRL's `get`, `get_nowait`, `qsize`): once the child
+    is gone and its pipe closed (`read_only`), it reads as empty, as a live child's with nothing to hand over."""
+
+    def __init__(self, mp_queue: Any):
+        self.mp_queue = mp_queue
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        try:
+            return self.mp_queue.get(block, timeout)
+        except (EOFError, OSError):  # the child is gone; OSError: in the middle of an item (connection._recv)
+            if block and timeout:
+                time.sleep(timeout)  # the wait a live child's empty queue would have taken
+            raise queue.Empty from None
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)
+
+    def qsize(self) -> int:
+        return self.mp_queue.qsize()
+
+
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
     """TRL's `stop()` without its waits: a 15 s join of a child that cannot exit while its queues are unread (mp.Queue
     flushes its pipe at exit), and the stop Event's `set()`, which waits forever once the child ended on its own (its
@@ -3343,15 +3365,14 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
 
 
 class Preempted(BaseException):
-    """A stop request that reached a point where training can stop without losing a step. A BaseException, like
-    SystemExit, so no `except Exception` on the way out swallows it."""
+    """A stop request at a point where training stops without losing a step; like SystemExit, no `except Exception`
+    on the way out swallows it."""
 
 
 class StopRequest:
-    """SIGTERM / SIGUSR1 (SLURM's preemption notice, scancel, `kill`): save a checkpoint, exit for a requeue. Before
-    training runs there is nothing to save: the signal unwinds at once. Then the handler only takes note, as unwinding
-    could leave vLLM paused mid weight sync or a step half applied: training stops at the end of the optimizer step, or
-    within one queue poll if it waits for rollouts."""
+    """SIGTERM / SIGUSR1 (SLURM's preemption notice, scancel, `kill`): save a checkpoint, exit for a requeue. Once
+    training runs, the handler only takes note: unwinding could leave vLLM paused mid weight sync or a step half
+    applied, so training stops at the step's end, or within one queue poll if it waits for rollouts."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -3360,11 +3381,10 @@ class StopRequest:
 
     def handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        # os.write, not print: the main thread may be inside a print, which a print here would re-enter. Rank 0
-        # alone speaks: a launcher forwards the signal to every rank.
+        # os.write: the main thread may be inside a print. Rank 0 alone speaks: a launcher signals every rank.
         say = (lambda text: os.write(1, text.encode())) if launch_rank() == 0 else (lambda text: None)
         if self.signal_name is not None:
-            say(f"[harbor] {name} again: already stopping; the checkpoint is written whole or not at all\n")
+            say(f"[harbor] {name} again: already stopping\n")
             return
         self.signal_name = name
         if not self.deferred:
@@ -3456,8 +3476,7 @@ def stop_batch_on_preempt(batches, num_processes: int):
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
-# A push's tensors are handed over in chunks of at most this many bytes (or one larger tensor), one POST
-# /update_weights each, as vLLM's own IPC trainer stages 1 GiB at a time.
+# Bytes per POST /update_weights (or one larger tensor), as vLLM's own IPC trainer stages 1 GiB at a time.
 IPC_CHUNK_BYTES = 1 << 30
 
 
@@ -3475,15 +3494,13 @@ class CudaIpcWeightTransfer(WeightTransferClient):
 
     def init_weight_transfer(self) -> None:
         self.vllm.wait_for_server_ready()
-        # The unpacked form, one handle per tensor: its empty init_info is valid for vLLM 0.26 (no fields) and 0.29
-        # (`packed`, false by default), whose packed forms differ.
+        # The unpacked form, a handle per tensor: the empty init_info of vLLM 0.26 and 0.29, whose packed forms differ.
         self.vllm.init_weight_transfer_engine({}, timeout=self.weight_sync_timeout)
 
     def send_weights(self, iterator) -> None:
         self.vllm.start_weight_update(timeout=self.weight_sync_timeout)
-        # torch's CUDA-IPC contract: the sender keeps a shared tensor while the receiver may use it, and vLLM may past
-        # its chunk's answer (its layerwise reload buffers a layer until it is whole, or until finish_weight_update).
-        # A parameter goes zero-copy; a merged LoRA weight is a copy: the trainer-memory row counts `sent` as staging.
+        # torch's CUDA-IPC contract: the sender keeps a shared tensor while the receiver may use it, which vLLM does
+        # until finish_weight_update. A merged LoRA weight is a copy: the trainer-memory row counts `sent` as staging.
         self.sent = []
         try:
             chunk, size = [], 0
@@ -3547,6 +3564,7 @@ class HarborRolloutWorker(HarnessRolloutWorker):
         kw.update(dataset=self.order, dataset_start_index=0)
         super().start()
         read_only(self.rollout_buffer, self.metrics_queue)
+        self.metrics_queue = ChildQueue(self.metrics_queue)  # TRL's log() reads it
 
     def check_health(self, stale_after_s: float) -> None:
         # TRL calls this each time the trainer has waited a queue poll for rollouts: a safe point to stop at.
@@ -3588,13 +3606,9 @@ class HeldOutEval(TrainerCallback):
 
     def __init__(self, trainer, args: argparse.Namespace, plan: dict[str, Any], group):
         self.trainer, self.args, self.plan, self.group = trainer, args, plan, group
-        self.ran: set[int] = set()
 
-    def run(self, state, control, final: bool = False) -> None:
+    def run(self, state, control) -> None:
         step, trainer = state.global_step, self.trainer
-        if step in self.ran:
-            return
-        self.ran.add(step)
         # One the resumed checkpoint holds whole is not measured twice; one cut short by the stop is measured again.
         record = next((e for e in state.log_history if e.get("step") == step and whole_eval(e)), None)
         if record is not None:
@@ -3603,7 +3617,7 @@ class HeldOutEval(TrainerCallback):
                 say(f"[harbor] eval at step {step}: on record in the resumed checkpoint, not measured again")
             return
         if trainer.accelerator.is_main_process:
-            if final and trainer.rollout_worker is not None:
+            if step >= state.max_steps and trainer.rollout_worker is not None:  # the final eval
                 trainer.rollout_worker.stop()
                 say("[harbor] rollout worker stopped: no training rollout runs beside the final eval")
             metrics = held_out_eval(self.args, self.plan, step)
@@ -3619,13 +3633,9 @@ class HeldOutEval(TrainerCallback):
         self.run(state, control)
 
     def on_step_end(self, _args, state, control, **_kwargs):
-        last = state.global_step >= state.max_steps
-        if last or (self.args.eval_steps and state.global_step % self.args.eval_steps == 0):
-            self.run(state, control, final=last)
-
-    def on_train_end(self, _args, state, control, **_kwargs):
-        if not self.trainer.stop_agreed:  # training ended before its last step (TRL's epoch stop)
-            self.run(state, control, final=True)
+        every = self.args.eval_steps
+        if state.global_step >= state.max_steps or (every and state.global_step % every == 0):
+            self.run(state, control)
 
 
 class StepLog(Trainer):
@@ -3647,32 +3657,30 @@ class StepLog(Trainer):
         now = time.monotonic()
         elapsed, self.last_step_at = now - self.last_step_at, now
         batches, self.step_batches = self.step_batches, []
-        trained = sorted({g for groups, _, _ in batches for g in groups} - self.trained_groups)
+        trained = sorted(set().union(*batches) - self.trained_groups)
         self.trained_groups.update(trained)
-        samples = sum(sum(groups.values()) for groups, _, _ in batches)
-        tokens, informative = sum(b[1] for b in batches), sum(b[2] for b in batches)
+        samples = sum(sum(groups.values()) for groups in batches)
+        (high, low, beyond, tokens, informative), self.terms = self.terms, NO_TERMS
         got = {key: logs.get(f"harbor/{key}") or 0.0 for key in ("rollouts_total", "errors_total", "groups_total",
                                                                   "zero_variance_groups_total", "sandbox_s_total")}
         logs |= {"harbor/rollouts_per_min": got["rollouts_total"] / elapsed * 60,
                  "harbor/trained/groups": float(len(trained)), "harbor/trained/samples": float(samples)}
         if tokens:
-            logs["harbor/trained/informative_token_frac"] = informative / tokens
-        (high, low, beyond, terms), self.ratios = self.ratios, (-math.inf, math.inf, 0.0, 0.0)
-        if terms:
-            logs |= {"harbor/ratio_max": high, "harbor/ratio_min": low,
-                     "harbor/ratio_beyond_bound_frac": beyond / terms}
+            logs |= {"harbor/trained/informative_token_frac": informative / tokens, "harbor/ratio_max": high,
+                     "harbor/ratio_min": low, "harbor/ratio_beyond_bound_frac": beyond / tokens}
         self.count(logs)
-        self.totals.update(trained_tokens=tokens, informative_tokens=informative)
+        self.totals.update(trained_tokens=int(tokens), informative_tokens=int(informative))
         scored, rate = int(got["rollouts_total"] - got["errors_total"]), logs.get("harbor/solve_rate")
         frac = logs.get("harbor/zero_variance_frac")
         signal = f", {informative / tokens:.0%} with a non-zero advantage" if tokens else ""
+        ratio = f"; importance ratio {low:.3g}-{high:.3g}, {beyond / tokens:.0%} beyond the bound" if tokens else ""
         say(f"[harbor] step {step}: {int(got['groups_total'])} groups finished, "
             f"{int(got['zero_variance_groups_total'])} zero-variance ({'-' if frac is None else f'{frac:.0%}'}); "
             f"{int(got['rollouts_total'])} rollouts ({logs['harbor/rollouts_per_min']:.1f}/min), sandbox "
             f"{got['sandbox_s_total']:.0f}s, solve rate {'-' if rate is None else f'{rate:.2f}'} "
             f"({round((rate or 0) * scored)}/{scored}), errors {int(got['errors_total'])}{error_kinds(logs)}; trained "
-            f"{len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, {tokens} tokens{signal}"
-            + (f"; importance ratio {low:.3g}-{high:.3g}, {beyond / terms:.0%} beyond the bound" if terms else ""))
+            f"{len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, {tokens:.0f} tokens"
+            f"{signal}{ratio}")
 
     def totals_line(self, unlogged: list[dict[str, Any]]) -> None:
         """Where this launch's rollouts and groups went; `unlogged`: what the rollout child sent after the last log."""
@@ -3696,6 +3704,11 @@ class StepLog(Trainer):
             + (f"; held-out pass rate {rate(min(evals))} -> {rate(max(evals))}" if evals else ""))
 
 
+# A step's loss terms, over every rank: importance ratio max and min, how many beyond --delta, how many, how many with
+# a non-zero advantage.
+NO_TERMS = (-math.inf, math.inf, 0.0, 0.0, 0.0)
+
+
 def error_kinds(counts: dict[str, Any]) -> str:
     """` kind=n` for each kind of unscorable rollout counted (harbor/errors/<kind>_total)."""
     return "".join(f" {key[14:-6]}={int(n)}" for key, n in counts.items()
@@ -3707,15 +3720,15 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
 
     def __init__(self, *a, **kw):
         self.last_step_at, self.totals, self.trained_groups = time.monotonic(), collections.Counter(), set()
-        # Per micro-batch collated, then trained: (samples per group, loss tokens, those with a non-zero advantage).
-        self.collated: collections.deque = collections.deque()
-        self.step_batches: list[tuple[collections.Counter, int, int]] = []
-        self.ratios = (-math.inf, math.inf, 0.0, 0.0)  # this step's ratio max, min, terms beyond --delta, terms
+        self.collated: collections.deque = collections.deque()  # samples per group of each micro-batch collated,
+        self.step_batches: list[collections.Counter] = []  # and of those this step trained
+        self.terms = NO_TERMS
         self.held_out: dict[int, float | None] = {}  # whole held-out evals: step -> eval/pass_rate
         self.collated_groups, self.stop_agreed = frozenset(), False
         super().__init__(*a, **kw)
         if self.rollout_worker is not None:  # TRL's eos ids (tokenizer's + model's); it sets them only on its own
             self.rollout_worker._loop_kwargs["eos_token_ids"] = self.eos_token_ids  # private: see start()
+            self.rollout_queue = ChildQueue(self.rollout_worker.rollout_buffer)  # TRL's dataset reads it
         model = self.accelerator.unwrap_model(self.model)
         if is_peft_model(model):
             # TRL's merged push calls PEFT's merge_adapter and unmerge_adapter: in bfloat16 the in-place round trip is
@@ -3736,13 +3749,10 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
         return loader
 
     def collate(self, collate, examples):
-        """TRL's collator, which sees a micro-batch whole (every rank's row, each token's advantage and group)."""
-        batch = collate(examples)
+        """TRL's collator, which sees a micro-batch whole: every rank's row."""
         (rows,) = examples
-        in_loss = batch["token_index"] >= 0
-        groups = collections.Counter(sample["group_id"] for row in rows for sample in row.samples)
-        self.collated.append((groups, int(in_loss.sum()), int((in_loss & (batch["advantages"] != 0)).sum())))
-        return batch
+        self.collated.append(collections.Counter(sample["group_id"] for row in rows for sample in row.samples))
+        return collate(examples)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -3779,11 +3789,11 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
             extremes = (torch.stack([ratio.max(), -ratio.min()]) if ratio.numel()
                         else torch.full((2,), -math.inf, device=ratio.device))
             high, low = self.accelerator.gather(extremes[None]).amax(0).tolist()
-            counts = torch.tensor([float((ratio > (self.args.delta or math.inf)).sum()), float(ratio.numel())],
-                                  device=ratio.device)
-            beyond, terms = self.accelerator.reduce(counts, reduction="sum").tolist()
-            h, l, b, t = self.ratios
-            self.ratios = (max(h, high), min(l, -low), b + beyond, t + terms)
+            counts = [(ratio > (self.args.delta or math.inf)).sum(), (inputs["advantages"][selected] != 0).sum(),
+                      torch.tensor(ratio.numel(), device=ratio.device)]
+            beyond, informative, terms = self.accelerator.reduce(torch.stack(counts).float(), reduction="sum").tolist()
+            h, l, b, t, i = self.terms
+            self.terms = (max(h, high), min(l, -low), b + beyond, t + terms, i + informative)
         if self.args.delta:
             cap = torch.full_like(log_probs, math.inf).scatter_reduce(
                 0, index, (old + math.log(self.args.delta)).to(log_probs.dtype), reduce="amin")
@@ -3882,17 +3892,16 @@ def resolve_resume(args: argparse.Namespace) -> str | None:
 
 
 def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | None:
-    """A LoRA checkpoint resumed without --use-peft, or full weights with it: transformers would load nothing. Or one
-    of other --lora-* flags: PEFT loads the weights into the adapter the flags built without reading the saved config,
-    so another rank fails on shapes and another alpha silently rescales every push."""
+    """A LoRA checkpoint resumed without --use-peft, or full weights with it (transformers would load nothing), or with
+    other --lora-* flags (PEFT loads into the adapter the flags built: another rank fails, another alpha rescales)."""
     saved = Path(checkpoint or "") / "adapter_config.json"
     if checkpoint is not None and args.use_peft and saved.is_file():
         config = json.loads(saved.read_text())
         flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
         differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
                   if config.get(key) != value]
-        # PEFT saves the modules it resolved its target_modules to (its default for the architecture, all-linear): so
-        # are the flags' compared. Flags that match no module, or an unreadable --model: the LoRA targets row says so.
+        # PEFT saves the modules its target_modules resolved to: so are the flags' compared (the LoRA targets row says
+        # so where they resolve to none, or --model is unreadable).
         if model_shape_error(args) is None:
             with contextlib.suppress(ValueError):
                 ours = set(lora_model(args).peft_config["default"].target_modules)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -190,16 +191,18 @@ def read_as_the_stop_does(worker) -> None:
 
 
 def read_as_trl_does(worker) -> None:
-    with pytest.raises((EOFError, OSError)):  # the end of the queue: TRL's training loop ends there
-        worker.rollout_buffer.get(timeout=0.1)
+    from test_preemption import agh
+
+    with pytest.raises(queue.Empty):  # as a live child's queue with nothing to give
+        agh.ChildQueue(worker.rollout_buffer).get(timeout=0.1)
 
 
 @pytest.mark.parametrize("read", [read_as_the_stop_does, read_as_trl_does], ids=["the stop", "TRL's dataset"])
 def test_a_sample_the_rollout_child_dies_handing_over_reads_as_the_end_of_the_queue(read):
     """TRL's rollout child hands each sample over a pipe, a large one while the trainer reads it. Killed mid-write
-    (SIGKILL, the OOM killer), it leaves a torn item in the pipe: the trainer's stop and TRL's own reads take it as the
-    end of the queue, where waiting for the rest of it would hang the job past its checkpoint. The worker object
-    stands in for TRL's; its process and queues are real."""
+    (a SIGTERM to the job's process group, the OOM killer), it leaves a torn item in the pipe: the trainer's stop and
+    TRL's own reads take it as the end of the queue, where waiting for the rest of it would hang the job past its
+    checkpoint. The worker object stands in for TRL's; its process and queues are real."""
     from test_preemption import agh
 
     ctx = multiprocessing.get_context("fork")
