@@ -3296,16 +3296,15 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
 
 
 def read_only(*queues: Any) -> None:
-    """Drops the trainer's write ends of the rollout child's queues once the child holds its own: an item the child
-    died writing (SIGKILL, the OOM killer) then reads as EOFError (OSError part-way), not as a wait forever on a pipe
-    that never reads as closed while a write end is open."""
+    """Drops the trainer's write ends of the rollout child's queues once the child holds its own: a pipe never reads as
+    closed while a write end is open, so a read would wait forever on an item the child died writing (SIGKILL, OOM)."""
     for q in queues:
         q._writer.close()  # private: mp.Queue has no public way to close its write end
 
 
 class ChildQueue:
     """A queue the rollout child writes, as the trainer reads it (TRL's `get`, `get_nowait`, `qsize`): once the child
-    is gone and its pipe closed (`read_only`), it reads as empty, as a live child's with nothing to hand over."""
+    is gone (its pipe closed, `read_only`), it reads as empty, as a live child's with nothing to hand over."""
 
     def __init__(self, mp_queue: Any):
         self.mp_queue = mp_queue
@@ -3672,13 +3671,14 @@ class StepLog(Trainer):
         self.totals.update(trained_tokens=int(tokens), informative_tokens=int(informative))
         scored, rate = int(got["rollouts_total"] - got["errors_total"]), logs.get("harbor/solve_rate")
         frac = logs.get("harbor/zero_variance_frac")
+        errors = "".join(f" {kind}={n}" for kind, n in error_kinds(logs).items())
         signal = f", {informative / tokens:.0%} with a non-zero advantage" if tokens else ""
         ratio = f"; importance ratio {low:.3g}-{high:.3g}, {beyond / tokens:.0%} beyond the bound" if tokens else ""
         say(f"[harbor] step {step}: {int(got['groups_total'])} groups finished, "
             f"{int(got['zero_variance_groups_total'])} zero-variance ({'-' if frac is None else f'{frac:.0%}'}); "
             f"{int(got['rollouts_total'])} rollouts ({logs['harbor/rollouts_per_min']:.1f}/min), sandbox "
             f"{got['sandbox_s_total']:.0f}s, solve rate {'-' if rate is None else f'{rate:.2f}'} "
-            f"({round((rate or 0) * scored)}/{scored}), errors {int(got['errors_total'])}{error_kinds(logs)}; trained "
+            f"({round((rate or 0) * scored)}/{scored}), errors {int(got['errors_total'])}{errors}; trained "
             f"{len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, {tokens:.0f} tokens"
             f"{signal}{ratio}")
 
@@ -3700,7 +3700,7 @@ class StepLog(Trainer):
             f"finished, {reached} reached the loss ({t['trained_tokens']} tokens{signal}); not trained: {kept_out} "
             f"zero-variance (kept out), {none} with no scorable rollout, {groups - reached - kept_out - none} dropped "
             f"as stale or left at the stop ({t['sample/dropped_stale_total']} stale samples)"
-            + (f"; unscorable:{errors}" if errors else "")
+            + (f"; unscorable: {', '.join(f'{kind} {n}' for kind, n in errors.most_common())}" if errors else "")
             + (f"; held-out pass rate {rate(min(evals))} -> {rate(max(evals))}" if evals else ""))
 
 
@@ -3709,10 +3709,10 @@ class StepLog(Trainer):
 NO_TERMS = (-math.inf, math.inf, 0.0, 0.0, 0.0)
 
 
-def error_kinds(counts: dict[str, Any]) -> str:
-    """` kind=n` for each kind of unscorable rollout counted (harbor/errors/<kind>_total)."""
-    return "".join(f" {key[14:-6]}={int(n)}" for key, n in counts.items()
-                   if key.startswith("harbor/errors/") and key.endswith("_total") and n)
+def error_kinds(counts: dict[str, Any]) -> collections.Counter:
+    """The unscorable rollouts counted (harbor/errors/<kind>_total), by kind."""
+    return collections.Counter({key[14:-6]: int(n) for key, n in counts.items()
+                                if key.startswith("harbor/errors/") and key.endswith("_total") and n})
 
 
 class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
@@ -3734,6 +3734,14 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
             # TRL's merged push calls PEFT's merge_adapter and unmerge_adapter: in bfloat16 the in-place round trip is
             # not exact, so the frozen base would drift at every push. _streaming_iter sends the sum out of place.
             model.merge_adapter = model.unmerge_adapter = lambda *a, **kw: None
+
+    def train(self, *a, **kw):
+        try:
+            return super().train(*a, **kw)
+        finally:  # TRL's own `finally` has stopped the rollout child, keeping what it sent after the last log
+            if self.accelerator.is_main_process:
+                unlogged = self.rollout_worker.metrics_queue
+                self.totals_line([unlogged.get() for _ in range(unlogged.qsize())])
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
@@ -4089,10 +4097,6 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
             reason += f". Fix the cause, then relaunch with --output-dir {args.output_dir} --resume"
         print(f"error: training stopped: {reason}", file=sys.stderr)
         return 1
-    finally:  # TRL's own `finally` has stopped the rollout child, and kept what it sent after the last log
-        if trainer.accelerator.is_main_process:
-            unlogged = trainer.rollout_worker.metrics_queue
-            trainer.totals_line([unlogged.get() for _ in range(unlogged.qsize())])
     if trainer.stop_agreed and trainer.state.global_step < args.max_steps:
         return save_for_requeue(trainer, args)
     trainer.save_model(args.output_dir)
