@@ -3199,8 +3199,8 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
     of the trainer's queue unless --max-zero-variance-groups is 0, and a run of such groups a NoSignal stop."""
 
     def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, groups_per_pass: int,
-                 groups_path: str, harness_session_factory: Callable[..., Any], metrics_queue: Any, failed_event: Any,
-                 exception_info_queue: Any, **loop_kwargs: Any):
+                 harness_session_factory: Callable[..., Any], metrics_queue: Any, failed_event: Any,
+                 exception_info_queue: Any, groups_path: str = "", **loop_kwargs: Any):
         self.failed_event, self.failures = failed_event, exception_info_queue  # TRL's failure channel
         factory = functools.partial(self.build_factory, harness_session_factory, metrics_queue)
         super().__init__(harness_session_factory=factory, metrics_queue=metrics_queue, failed_event=failed_event,
