@@ -2376,14 +2376,13 @@ def run_measure(args: argparse.Namespace, plan: dict[str, Any], server: Embedded
 
 # --- Trainer ----------------------------------------------------------------------------------------------------------
 class PassRate:
-    """Solve rate of one full pass over the task list: the next `groups` groups to finish, whatever steps they straddle;
-    unscorable rollouts are left out of it, as of a GRPO baseline."""
+    """Solve rate of each full pass over the task list (`groups` groups, whatever steps they straddle), unscorable
+    rollouts left out, as of a GRPO baseline."""
 
     def __init__(self, groups: int):
         self.groups, self.done, self.solved, self.scored = groups, 0, 0, 0
 
     def add(self, solved: int, scored: int) -> tuple[int, int]:
-        """One finished group; (solved, scored) of the pass it completes, or (0, 0)."""
         self.done, self.solved, self.scored = self.done + 1, self.solved + solved, self.scored + scored
         if self.done % self.groups:
             return 0, 0
@@ -2391,84 +2390,77 @@ class PassRate:
         return finished
 
 
-# How many samples a group's rollouts made, on each of them from the rollout child to FreshestGroupFirst, which takes
-# it off before TRL reads the sample: TRL's queue hands a group over sample by sample, and a reader cannot otherwise
-# tell a whole group from one whose last samples are still on their way.
-GROUP_SAMPLES = "harbor_group_samples"
-
-
 class HarborRolloutLoop(_HarnessRolloutLoop):
-    """TRL's loop-owning harness loop (it runs in TRL's rollout child), scoring each group the way this script trains.
-
-    `_score_group` is where TRL turns a finished group into samples: the group's rewards are shaped first
-    (`shape_group_rewards`), TRL's own code normalises them into advantages, and a group with zero variance is kept
-    out of the trainer's queue unless --max-zero-variance-groups is 0. A run of such groups stops the worker with
-    NoSignal, which the trainer reports as one line. The group's figures go into TRL's counters and rates, which TRL
-    pushes onto its metric queue as soon as this returns; the factory pushes each rollout's own.
-    """
+    """TRL's loop-owning harness loop, run in TRL's rollout child, scoring each group the way this script trains: its
+    rewards shaped (`shape_group_rewards`) before TRL normalises them into advantages, a zero-variance group kept out
+    of the trainer's queue unless --max-zero-variance-groups is 0, and a run of such groups a NoSignal stop."""
 
     def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, groups_per_pass: int,
-                 groups_path: str = "", **loop_kwargs: Any):
-        super().__init__(**loop_kwargs)
+                 harness_session_factory: Callable[..., Any], metrics_queue: Any, failed_event: Any,
+                 exception_info_queue: Any, groups_path: str = "", **loop_kwargs: Any):
+        self.failed_event, self.failures = failed_event, exception_info_queue  # TRL's failure channel
+        factory = functools.partial(self.build_factory, harness_session_factory, metrics_queue)
+        super().__init__(harness_session_factory=factory, metrics_queue=metrics_queue, failed_event=failed_event,
+                         exception_info_queue=exception_info_queue, **loop_kwargs)
         self.efficiency_weight, self.groups_path = efficiency_weight, groups_path
         self.max_zero_variance_groups = max_zero_variance_groups
         self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
         self.passes = PassRate(groups_per_pass)
-        # private: TRL's loop holds the factory it built as _factory and the metric queue as _metrics_queue
-        self._factory.metrics_queue = self._metrics_queue
+
+    def build_factory(self, build: Callable[..., Any], metrics_queue: Any, **kwargs: Any) -> Any:
+        """The session factory TRL's loop builds, which pushes each rollout's metrics onto TRL's metric queue."""
+        self.factory = build(**kwargs)
+        self.factory.metrics_queue = metrics_queue
+        return self.factory
 
     # private: TRL's one step from a scored group to samples; no public hook shapes a group's rewards
     async def _score_group(self, group):
         scores = group.rollout_rewards
         group.rollout_rewards = shape_group_rewards(scores, self.efficiency_weight)
         samples = await super()._score_group(group)
-        for sample in samples:
-            sample.metrics[GROUP_SAMPLES] = len(samples)
-        if self._stop_event.is_set():  # private: TRL's loop exposes its stop only as _stop_event
-            return samples  # cut short by the stop (its unfinished rollouts are empty): no group to count or print
+        if self.stop_event.is_set():
+            return samples  # cut short by the stop (its unfinished rollouts are empty): no group to count or settle
         rewards = [r for r in group.rollout_rewards if r is not None]
+        zero = bool(rewards) and zero_variance(rewards)
+        kept_out = zero and self.max_zero_variance_groups > 0
+        self.settle(group, "no_scorable" if not rewards else "zero_variance" if kept_out else "samples")
         # private: TRL's metric accumulators (_counters, _rates), pushed with its own; no public call adds a metric
-        self._counters["harbor/groups_total"] += 1
+        counters, rates = self._counters, self._rates
+        counters["harbor/groups_total"] += 1
         solved, scored = self.passes.add(sum(s is not None and s.correctness > 0 for s in scores), len(rewards))
         if scored:
-            self._rates["harbor/solve_rate_pass"][0] += solved
-            self._rates["harbor/solve_rate_pass"][1] += scored
+            rates["harbor/solve_rate_pass"][0] += solved
+            rates["harbor/solve_rate_pass"][1] += scored
         if not rewards:
-            self._counters["harbor/not_trained/no_scorable_groups_total"] += 1
-            self.settle(group, "no_scorable")
+            counters["harbor/not_trained/no_scorable_groups_total"] += 1
             return samples  # none scorable, so no samples: --max-consecutive-failures watches these
-        zero = zero_variance(rewards)
-        kept_out = zero and self.max_zero_variance_groups > 0
-        self.settle(group, "zero_variance" if kept_out else "samples")
         keys = ["harbor/zero_variance_frac"]
-        if self._factory.split_by_harness:
+        if self.factory.split_by_harness:
             keys.append(f"harbor/{group.prompts[0][0]['harbor_harness']}/zero_variance_frac")
         for key in keys:
-            self._rates[key][0] += zero
-            self._rates[key][1] += 1
-        self._counters["harbor/zero_variance_groups_total"] += zero
+            rates[key][0] += zero
+            rates[key][1] += 1
+        counters["harbor/zero_variance_groups_total"] += zero
         if not zero:
             self.flat_run = []
             return samples
-        self._counters["harbor/not_trained/zero_variance_groups_total"] += kept_out
-        self._factory._say(f"[harbor] group {group.group_id}: zero variance, every scored rollout {rewards[0]:g}: "
-                           + ("kept out of training" if kept_out else "trained at advantage 0"))
+        counters["harbor/not_trained/zero_variance_groups_total"] += kept_out
+        self.factory._say(f"[harbor] group {group.group_id}: zero variance, every scored rollout {rewards[0]:g}: "
+                          + ("kept out of training" if kept_out else "trained at advantage 0"))
         if not kept_out:
             return samples
         self.flat_run.append(rewards[0] > 0)
         if len(self.flat_run) >= self.max_zero_variance_groups:
             solved = sum(self.flat_run)
-            raise NoSignal(
-                f"the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} "
-                f"solved by every rollout, {len(self.flat_run) - solved} by none), so no advantage was left to "
-                "learn from: the tasks are too hard or too easy for the model. Measure pass rates (--eval-only "
-                "--curate) and train on the curated list, or raise --max-zero-variance-groups")
+            self.stop(NoSignal(
+                f"the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} solved by every "
+                f"rollout, {len(self.flat_run) - solved} by none), so no advantage was left to learn from: the tasks "
+                "are too hard or too easy for the model. Measure pass rates (--eval-only --curate) and train on the "
+                "curated list, or raise --max-zero-variance-groups"))
         return []
 
     def settle(self, group, outcome: str) -> None:
-        """groups.jsonl, one line per scored group: how it was settled, decided here once. `samples` went to the
-        trainer (trained once an optimizer step takes them); `zero_variance` (kept out) and `no_scorable` never will
-        be, and a resume must not run them again (`HarborGRPOTrainer.resume_position` reads them)."""
+        """groups.jsonl: each scored group and how it settled; a resume runs no group settled without `samples`."""
         if self.groups_path:
             task = group.prompts[0][0]
             record = {"time": time.time(), "group": group.group_id, "visit": self.dataset.visit(group.group_id),
@@ -2476,169 +2468,40 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
             with open(self.groups_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def stop(self, reason: TrainingStopped) -> None:
+        """Ends the child's loops and hands `reason` to the trainer's check_health (`stop_from_child`) through TRL's
+        failure channel, without the tracebacks TRL's child prints for a crash."""
+        self.failures.put_nowait((type(reason).__name__, str(reason), ""))
+        self.failed_event.set()
+        self.stop_event.set()
+
     # private: where TRL's child runs its loops; what leaves it, TRL's run() prints with three tracebacks
     async def _run_loops(self, stop_event) -> None:
+        self.stop_event = stop_event
         try:
             await super()._run_loops(stop_event)
         except ValueError as exc:
             stop = exc if isinstance(exc, TrainingStopped) else exc.__cause__  # TRL's CaptureContractError wraps it
             if not isinstance(stop, TrainingStopped):
                 raise
-            # Sent through TRL's failure channel (the trainer raises it again from check_health, `stop_from_child`)
-            # without the three tracebacks TRL's child prints for a crash.
-            # private: TRL's child reports a failure only through _exception_info_queue and _failed_event
-            self._exception_info_queue.put_nowait((type(stop).__name__, str(stop), ""))
-            self._failed_event.set()
-            # TRL's gather leaves the generate loop running; closing the event loop under it prints "Task was
-            # destroyed but it is pending" and a traceback at the child's exit.
-            stop_event.set()
+            self.stop(stop)
+            # TRL's gather leaves the generate loop running: closing the event loop under it prints a traceback.
             others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
             for task in others:
                 task.cancel()
             await asyncio.gather(*others, return_exceptions=True)
 
 
-class RolloutAccounting:
-    """What reached the loss, per optimizer step, and where every rollout and group went, in one line at the end.
-
-    Produced: TRL's rollout child counts its rollouts and groups onto TRL's metric queue, which TRL's log() drains and
-    reduces by name into each step's log (a `_total` is the step's count); it also writes each rollout to
-    rollouts.jsonl and each group it scored, with how it settled it, to groups.jsonl. Trained: the collator is the one
-    place that sees a whole micro-batch (every rank's row, each loss token's advantage, each sample's group), and a
-    micro-batch counts once a training step takes it: accelerate collates one ahead, which a stop leaves untrained.
-    The end-of-run totals count from the two files, which lose nothing (TRL's metric queue drops what it has no room
-    for): every group is trained, kept out for zero variance, without a scorable rollout, or one whose samples no step
-    trained (TRL dropped them as stale, or they were queued, batched or collated at the stop). Counts start at this
-    launch.
-    """
-
-    def __init__(self, output_dir: str):
-        self.rollouts_path, self.groups_path = (Path(output_dir) / name for name in ("rollouts.jsonl", "groups.jsonl"))
-        # Where this launch's records start: TRL numbers groups from 0 at every launch.
-        self.offsets = {path: path.stat().st_size if path.is_file() else 0
-                        for path in (self.rollouts_path, self.groups_path)}
-        self.last = time.monotonic()
-        self.trained_groups: set[Any] = set()
-        self.collated: collections.deque = collections.deque()  # (samples per group, loss tokens, informative ones)
-        self.step_batches: list[tuple[collections.Counter, int, int]] = []
-        self.totals: collections.Counter = collections.Counter()
-        self.ratios = (-math.inf, math.inf, 0.0, 0.0)  # this step's ratio max, min, terms beyond --delta, terms
-
-    def launch_records(self, path: Path) -> list[dict[str, Any]]:
-        if not path.is_file():
-            return []
-        with open(path, "rb") as f:
-            f.seek(self.offsets[path])
-            lines = f.read().splitlines()
-        records = []
-        for line in lines:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue  # a line still being written
-        return records
-
-    def settled_groups(self) -> dict[int, str]:
-        """This launch's scored groups and how the rollout child settled each (HarborRolloutLoop.settle)."""
-        return {r["group"]: r["outcome"] for r in self.launch_records(self.groups_path)}
-
-    def collate_with(self, collate: Any) -> Any:
-        def counted(examples):
-            batch = collate(examples)
-            (rows,) = examples
-            in_loss = batch["token_index"] >= 0
-            groups = collections.Counter(sample["group_id"] for row in rows for sample in row.samples)
-            self.collated.append((groups, int(in_loss.sum()), int((in_loss & (batch["advantages"] != 0)).sum())))
-            return batch
-
-        return counted
-
-    def add_ratios(self, high: float, low: float, beyond: float, terms: float) -> None:
-        """One micro-batch's importance ratios over every rank (HarborGRPOTrainer.bound_ratio)."""
-        h, l, b, t = self.ratios
-        self.ratios = (max(h, high), min(l, low), b + beyond, t + terms)
-
-    def take_microbatch(self) -> None:
-        if self.collated:
-            self.step_batches.append(self.collated.popleft())
-
-    def count(self, metrics: dict[str, Any]) -> None:
-        self.totals.update({k: v for k, v in metrics.items() if k.endswith("_total") and isinstance(v, float)})
-
-    def step(self, step: int, logs: dict[str, Any]) -> None:
-        """Adds what this step trained to its log, TRL having reduced the child's figures into it, and prints the
-        step's line."""
-        now = time.monotonic()
-        elapsed, self.last = now - self.last, now
-        batches, self.step_batches = self.step_batches, []
-        trained = sorted({g for groups, _, _ in batches for g in groups} - self.trained_groups)
-        self.trained_groups.update(trained)
-        samples = sum(sum(groups.values()) for groups, _, _ in batches)
-        tokens, informative = sum(b[1] for b in batches), sum(b[2] for b in batches)
-        got = {key: logs.get(f"harbor/{key}") or 0.0 for key in ("rollouts_total", "errors_total", "groups_total",
-                                                                  "zero_variance_groups_total", "sandbox_s_total")}
-        logs |= {"harbor/rollouts_per_min": got["rollouts_total"] / elapsed * 60,
-                 "harbor/trained/groups": float(len(trained)), "harbor/trained/samples": float(samples)}
-        if tokens:
-            logs["harbor/trained/informative_token_frac"] = informative / tokens
-        (high, low, beyond, terms), self.ratios = self.ratios, (-math.inf, math.inf, 0.0, 0.0)
-        if terms:
-            logs |= {"harbor/ratio_max": high, "harbor/ratio_min": low,
-                     "harbor/ratio_beyond_bound_frac": beyond / terms}
-        self.count(logs)
-        self.totals.update(trained_tokens=tokens, informative_tokens=informative)
-
-        scored, rate = int(got["rollouts_total"] - got["errors_total"]), logs.get("harbor/solve_rate")
-        errors = "".join(f" {key[14:-6]}={int(n)}" for key, n in logs.items()
-                         if key.startswith("harbor/errors/") and key.endswith("_total") and n)
-        frac = logs.get("harbor/zero_variance_frac")
-        signal = f", {informative / tokens:.0%} with a non-zero advantage" if tokens else ""
-        say(f"[harbor] step {step}: {int(got['groups_total'])} groups finished, "
-            f"{int(got['zero_variance_groups_total'])} zero-variance ({'-' if frac is None else f'{frac:.0%}'}); "
-            f"{int(got['rollouts_total'])} rollouts ({logs['harbor/rollouts_per_min']:.1f}/min), sandbox "
-            f"{got['sandbox_s_total']:.0f}s, solve rate {'-' if rate is None else f'{rate:.2f}'} "
-            f"({round((rate or 0) * scored)}/{scored}), errors {int(got['errors_total'])}{errors}; trained "
-            f"{len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, {tokens} tokens{signal}"
-            + (f"; importance ratio {low:.3g}-{high:.3g}, {beyond / terms:.0%} beyond the bound" if terms else ""))
-
-    def finish(self, queued_samples: int, held_out: dict[int, float | None]) -> None:
-        """The run's totals, once TRL's rollout child has stopped: produced, trained, and why the rest was not."""
-        t = {key: int(n) for key, n in self.totals.items()}
-        rollouts = self.launch_records(self.rollouts_path)
-        errors = collections.Counter(r["error"] for r in rollouts if r["error"] is not None)
-        settled = self.settled_groups()
-        outcomes = collections.Counter(settled.values())
-        with_samples = {g for g, outcome in settled.items() if outcome == "samples"}
-        trained, left = with_samples & self.trained_groups, with_samples - self.trained_groups
-
-        def rate(step: int) -> str:
-            return f"{'-' if held_out[step] is None else f'{held_out[step]:.2f}'} (step {step})"
-
-        signal = (f", {t['informative_tokens'] / t['trained_tokens']:.0%} with a non-zero advantage"
-                  if t.get("trained_tokens") else "")
-        say(f"[harbor] rollouts: {len(rollouts)} finished, {sum(errors.values())} unscorable; groups: "
-            f"{outcomes.total()} finished, {len(trained)} reached the loss ({t.get('trained_tokens', 0)} "
-            f"tokens{signal}); not trained: {outcomes['zero_variance']} zero-variance (kept out), "
-            f"{outcomes['no_scorable']} with no scorable rollout, {len(left)} dropped as stale or left at the stop "
-            f"({t.get('sample/dropped_stale_total', 0)} stale samples, "
-            f"{queued_samples} samples still queued, {len(self.collated)} micro-batches collated but not trained)"
-            + (f"; unscorable: {', '.join(f'{kind} {n}' for kind, n in errors.most_common())}" if errors else "")
-            + (f"; held-out pass rate {rate(min(held_out))} -> {rate(max(held_out))}" if held_out else ""))
-
-
 def read_only(*queues: Any) -> None:
-    """Drop the trainer's write ends of the rollout child's queues, once the child holds its own. Holding them, a read
-    waits forever on an item the child died while writing (a SIGTERM to the job's process group, the OOM killer, TRL's
-    terminate): a large sample is written while it is read, and a pipe never reads as closed while one of its write
-    ends is open. Without them it reads as EOFError (OSError part-way through an item), which `ChildQueue` turns into
-    an empty queue for TRL's reads."""
+    """Drops the trainer's write ends of the rollout child's queues once the child holds its own: a pipe never reads as
+    closed while a write end is open, so a read would wait forever on an item the child died writing (SIGKILL, OOM)."""
     for q in queues:
         q._writer.close()  # private: mp.Queue has no public way to close its write end
 
 
 class ChildQueue:
-    """The trainer's reads of a queue the rollout child writes (TRL's `get`, `get_nowait`, `qsize`): once the child
-    is gone, and its pipe closed (`read_only`), the queue reads as empty, as a live child's with nothing to hand over."""
+    """A queue the rollout child writes, as the trainer reads it (TRL's `get`, `get_nowait`, `qsize`): once the child
+    is gone (its pipe closed, `read_only`), it reads as empty, as a live child's with nothing to hand over."""
 
     def __init__(self, mp_queue: Any):
         self.mp_queue = mp_queue
@@ -2658,126 +2521,54 @@ class ChildQueue:
         return self.mp_queue.qsize()
 
 
-class FreshestGroupFirst(ChildQueue):
-    """The rollout queue as TRL's dataset reads it, one sample per `get`, freshest group with a signal first.
-
-    TRL takes samples in the order they were scored and drops one only past --max-staleness, so whenever rollouts
-    finish faster than the trainer steps it trains groups up to --max-staleness versions old, and zero-variance ones
-    (advantage 0 everywhere: no gradient) while fresher groups with a signal wait. Each `get` takes every sample that
-    has arrived and hands over, in turn: one past --max-staleness (TRL drops and counts it, as in its own order), the
-    rest of the group it is handing over (a group's samples stay together, sharing their prefix in a micro-batch:
-    it waits for those still on their way, which the child put in one go), then the group of the newest policy
-    version with a non-zero advantage, then the newest other; among equals, the first scored. Stale samples are
-    dropped exactly as before; only which fresh group goes first changes. A resume runs again every group no step
-    trained, whatever order they were trained in (`resume_position`)."""
-
-    def __init__(self, mp_queue: Any, version: Callable[[], int], max_staleness: int):
-        super().__init__(mp_queue)
-        self.version, self.max_staleness = version, max_staleness
-        self.held: list[Any] = []  # taken from the child's queue and not handed over yet, in the order scored
-        self.missing: dict[int, int] = {}  # group -> how many of its samples have not arrived yet
-        self.group: int | None = None  # the group being handed over
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        self.take_arrived()
-        while not self.held or (self.group in self.missing and all(s.group_id != self.group for s in self.held)):
-            self.arrive(super().get(block, timeout))  # waits as TRL asked; raises queue.Empty as it expects
-            self.take_arrived()
-        now, held = self.version(), range(len(self.held))
-        stale = [i for i in held if now - self.held[i].model_version > self.max_staleness]
-        current = [i for i in held if self.held[i].group_id == self.group]
-        if stale or current:
-            first = (stale or current)[0]
-        else:
-            signal = {s.group_id for s in self.held if s.advantage != 0}
-            first = max(held, key=lambda i: (self.held[i].group_id in signal, self.held[i].model_version))  # ties: 1st
-            self.group = self.held[first].group_id
-        return self.held.pop(first)  # by index: a sample's numpy fields make == between samples ambiguous
-
-    def arrive(self, sample: Any) -> None:
-        group, size = sample.group_id, sample.metrics.pop(GROUP_SAMPLES, 1)
-        left = self.missing.get(group, size) - 1
-        if left > 0:
-            self.missing[group] = left
-        else:
-            self.missing.pop(group, None)
-        self.held.append(sample)
-
-    def take_arrived(self) -> None:
-        try:
-            while True:
-                self.arrive(super().get(block=False))
-        except queue.Empty:
-            pass
-
-    def qsize(self) -> int:
-        return len(self.held) + super().qsize()
-
-
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
-    """TRL's `stop()`, less its wait on the stop Event: the child gets `timeout_s` to exit on its own, then SIGTERM
-    (it releases its server sessions on the way out), then SIGKILL. TRL 1.16's joins it for 15 s first: a child cannot
-    exit while items it put on `rollout_buffer` / `metrics_queue` are unread (mp.Queue flushes its pipe at exit), and
-    at a preemption those seconds come out of the grace period before the checkpoint save. The Event is set from a
-    thread, never here: `set()` waits for every process that ever waited on it to wake, and the child's stop watcher
-    dies unwoken when the child ends on its own, so a `set()` during or after that waits forever (a run whose
-    rollouts all fail, stopping under load). The samples it drains count in the run's totals as produced but
-    never trained; the run's files hold the rest. The metrics it drains stay for the trainer's next log (TRL's reads
-    `metrics_queue`): a stop before the last step's log (the final held-out eval) loses none of that step's. Called
-    again once stopped, it does nothing."""
+    """TRL's `stop()` without its waits: a 15 s join of a child that cannot exit while its queues are unread (mp.Queue
+    flushes its pipe at exit), and the stop Event's `set()`, which waits forever once the child ended on its own (its
+    watcher thread died unwoken). The queues drain while the child gets `timeout_s` to exit, then SIGTERM (it releases
+    its server sessions), then SIGKILL; the metrics drained wait for the trainer's next log or its totals."""
     # private: TRL's worker holds its child only as _process, and its stop Event as _stop_event_mp
     proc, t0, kept = worker._process, time.monotonic(), queue.Queue()
 
-    def drain() -> None:
-        for q in (worker.rollout_buffer, worker.metrics_queue):
-            try:
-                while True:
-                    item = q.get_nowait()
-                    if q is worker.rollout_buffer:
-                        worker.samples_left_at_stop += 1
-                    else:
-                        kept.put(item)
-            except (queue.Empty, OSError, EOFError, ValueError):
-                pass
-
-    def wait_for_exit(seconds: float) -> None:
+    def drain(seconds: float = 0.0) -> None:
         deadline = time.monotonic() + seconds
-        while proc.is_alive() and time.monotonic() < deadline:
-            drain()
+        while True:
+            for q in (worker.rollout_buffer, worker.metrics_queue):
+                with contextlib.suppress(queue.Empty, OSError, EOFError, ValueError):
+                    while True:
+                        item = q.get_nowait()
+                        if q is worker.metrics_queue:
+                            kept.put(item)
+            if not proc.is_alive() or time.monotonic() >= deadline:
+                return
             proc.join(timeout=0.05)
 
-    terminated = False
-    if proc is not None and proc.is_alive():
+    if proc is None or proc.pid is None:  # stopped, or never started
+        return
+    if proc.is_alive():
         threading.Thread(target=worker._stop_event_mp.set, daemon=True).start()
-        wait_for_exit(timeout_s)
+        drain(timeout_s)
+    if proc.is_alive():
+        say(f"[harbor] rollout worker still running after {timeout_s:g}s: terminating it")
+        proc.terminate()
+        drain(15.0)
         if proc.is_alive():
-            say(f"[harbor] rollout worker still running after {timeout_s:g}s: terminating it")
-            proc.terminate()  # SIGTERM: it closes its server sessions (_abandon), up to 10 s
-            wait_for_exit(15.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            terminated = True
-    drain()  # what the child flushed as it exited
-    if proc is not None and proc.pid is not None and not terminated:  # pid: None if it never started
+            proc.kill()
+            proc.join()
+    else:
         say(f"[harbor] rollout worker exited on its own in {time.monotonic() - t0:.1f}s (exit code {proc.exitcode})")
-    worker._process = None
-    worker.metrics_queue = kept
+    drain()  # what the child flushed as it exited
+    worker._process, worker.metrics_queue = None, kept
 
 
 class Preempted(BaseException):
-    """A stop request that reached a point where training can stop without losing a step. A BaseException, like
-    SystemExit, so no `except Exception` on the way out swallows it."""
+    """A stop request at a point where training stops without losing a step; like SystemExit, no `except Exception`
+    on the way out swallows it."""
 
 
 class StopRequest:
-    """SIGTERM / SIGUSR1 (SLURM's preemption notice, scancel, `kill`): save a checkpoint, exit for a requeue.
-
-    Before training runs there is nothing to save, so the signal unwinds at once. Once it runs, the handler only takes
-    note: unwinding from an arbitrary point could leave vLLM paused mid weight sync (TRL's pause/resume is not in a
-    try/finally) or an optimizer step half applied. The trainer stops at the next safe point instead: the end of the
-    current optimizer step, or within one queue poll if it is waiting for rollouts (whose end may be minutes away).
-    """
+    """SIGTERM / SIGUSR1 (SLURM's preemption notice, scancel, `kill`): save a checkpoint, exit for a requeue. Once
+    training runs, the handler only takes note: unwinding could leave vLLM paused mid weight sync or a step half
+    applied, so training stops at the step's end, or within one queue poll if it waits for rollouts."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -2786,11 +2577,10 @@ class StopRequest:
 
     def handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        # os.write, not print: the main thread may be inside a print, which a print here would re-enter. Rank 0
-        # alone speaks: a launcher forwards the signal to every rank.
+        # os.write: the main thread may be inside a print. Rank 0 alone speaks: a launcher signals every rank.
         say = (lambda text: os.write(1, text.encode())) if launch_rank() == 0 else (lambda text: None)
         if self.signal_name is not None:
-            say(f"[harbor] {name} again: already stopping; the checkpoint is written whole or not at all\n")
+            say(f"[harbor] {name} again: already stopping\n")
             return
         self.signal_name = name
         if not self.deferred:
@@ -2820,18 +2610,17 @@ def resume_command(argv: list[str], output_dir: str) -> str:
 
 
 def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
-    """Checkpoint the last finished optimizer step, unless a checkpoint already holds it, and ask for a requeue.
-    Every rank calls it: a save is a collective (each rank writes its RNG state, FSDP gathers or writes shards)."""
+    """Checkpoints the last finished optimizer step, unless a checkpoint holds it, and asks for a requeue. Every rank
+    calls it: a save is a collective (each rank writes its RNG state, FSDP gathers or writes shards)."""
     step = trainer.state.global_step
     checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
     # Rank 0 decides for all: ranks that judged the files apart could split into a save and no save.
     save = bool(step) and trainer.accelerator.is_main_process and checkpoint_problem(checkpoint) is not None
-    save = broadcast_object_list([save], from_process=0)[0]
-    if save:
-        # A step interrupted while waiting for rollouts is dropped whole: the weights and optimizer are still those
-        # of the last finished step, and its gradients are not kept.
+    if broadcast_object_list([save], from_process=0)[0]:
+        # A step cut short while waiting for rollouts is dropped whole: the weights and optimizer are the last step's.
         # private: transformers writes a resumable checkpoint (optimizer, RNG, state) only in _save_checkpoint
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        trainer.complete_checkpoint()
     name = STOP.signal_name or "a stop on rank 0"
     if not trainer.accelerator.is_main_process:
         say(f"[harbor] rank {trainer.accelerator.process_index}: stopped with rank 0 by {name}; exit code "
@@ -2842,44 +2631,38 @@ def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
         ranks = trainer.accelerator.num_processes
         rollout = json.loads((checkpoint / "rollout_state.json").read_text())
         saved = (f"checkpoint {checkpoint} (step {step}{f', all {ranks} ranks' if ranks > 1 else ''}); a resume "
-                 f"runs its {len(rollout.get('pending', []))} untrained groups first, then tasks from position "
+                 f"runs its {len(rollout['pending'])} untrained groups first, then tasks from position "
                  f"{rollout['prompt_index']}")
     say(f"[harbor] stopped by {name}: {saved}; exit code {REQUEUE_EXIT_CODE} (requeue). Resume: "
         f"{STOP.resume_command}")
     return REQUEUE_EXIT_CODE
 
 
-# The key of the batch that carries a stop to every rank (see HarborGRPOTrainer.get_train_dataloader).
-STOP_BATCH = "harbor_stop"
-
-
 class VisitOrder:
-    """The dataset rows the rollout worker visits, group after group: first the untrained groups a stopped run left
-    (`pending`, as visit numbers: the n-th row visited is row n % len(rows)), then every row from visit `start` on.
-
-    TRL's worker visits `iter(rows)` and restarts it at the end, resuming only at one start index; this keeps the
-    first pass in resume order and every later pass in the plain order. Module level: it is pickled to TRL's child.
-    """
+    """The rows TRL's worker visits, a group each: first the groups a stopped run left untrained (`pending`, as visit
+    numbers: visit n is row n % len(rows)), then every row from visit `start` on; later passes in the plain order."""
 
     def __init__(self, rows: Any, pending: list[int], start: int):
         self.rows, self.pending, self.start = rows, list(pending), start
-        self._passes = 0
+        self.passes = 0
 
     def __iter__(self):
-        first, self._passes = self._passes == 0, self._passes + 1
+        first, self.passes = self.passes == 0, self.passes + 1
         n = len(self.rows)
         rows = [v % n for v in self.pending] + list(range(self.start % n, n)) if first else range(n)
         return (self.rows[i] for i in rows)
 
-    def visit(self, group: int) -> int:
-        """The visit number of this launch's group `group` (TRL counts groups from 0 at every launch)."""
+    def visit(self, group: int) -> int:  # TRL counts groups from 0 at every launch
         return self.pending[group] if group < len(self.pending) else self.start + group - len(self.pending)
 
     def after(self, seen: int, done: set[int]) -> tuple[list[int], int]:
-        """Where a resume continues when this launch's groups below `seen` are the ones the trainer may have taken
-        and `done` those it needs no more: the others, then every visit from the first group not yet seen."""
+        """A resume's order when this launch's groups below `seen` may have been taken and `done` need no rerun."""
         pending = [self.visit(g) for g in range(seen) if g not in done] + self.pending[seen:]
         return pending, self.start + max(0, seen - len(self.pending))
+
+
+# The key of the batch that carries a stop to every rank (HarborGRPOTrainer.get_train_dataloader).
+STOP_BATCH = "harbor_stop"
 
 
 def stop_batch_on_preempt(batches, num_processes: int):
@@ -2889,8 +2672,7 @@ def stop_batch_on_preempt(batches, num_processes: int):
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
-# A push's tensors are handed over in chunks of at most this many bytes (or one larger tensor), one POST
-# /update_weights each, as vLLM's own IPC trainer stages 1 GiB at a time.
+# Bytes per POST /update_weights (or one larger tensor), as vLLM's own IPC trainer stages 1 GiB at a time.
 IPC_CHUNK_BYTES = 1 << 30
 
 
@@ -2898,106 +2680,77 @@ class WeightTransferRefused(RuntimeError):
     """vLLM refused a weight push for a reason fixed where vLLM runs."""
 
 
-class CudaIpcWeightTransfer:
-    """TRL's WeightTransferProtocol over vLLM's `ipc` backend, for vLLM on the trainer's own GPU (where NCCL refuses
-    a second rank): each chunk of tensors is handed over as CUDA-IPC handles in one POST /update_weights, which vLLM
-    maps and loads before it answers. Its control plane is TRL's VLLMClient, called as TRL's WeightTransferClient
-    calls it; nothing here imports vLLM."""
+class CudaIpcWeightTransfer(WeightTransferClient):
+    """TRL's weight transfer over vLLM's `ipc` backend, for vLLM on the trainer's GPU (where NCCL refuses a second
+    rank): a chunk of tensors per POST /update_weights, as CUDA-IPC handles. Not TRL's __init__: it needs vLLM here."""
 
     def __init__(self, vllm_url: str, weight_sync_timeout: float, chunk_bytes: int = IPC_CHUNK_BYTES):
-        self.vllm, self.timeout, self.chunk_bytes = VLLMClient(vllm_url), weight_sync_timeout, chunk_bytes
-        self.sent: list[torch.Tensor] = []
+        self.vllm, self.weight_sync_timeout, self.chunk_bytes = VLLMClient(vllm_url), weight_sync_timeout, chunk_bytes
+        self.model_update_group, self.sent = None, []
 
     def init_weight_transfer(self) -> None:
         self.vllm.wait_for_server_ready()
-        # The unpacked form, one handle per tensor: its empty init_info is valid for vLLM 0.26 (no fields) and 0.29
-        # (`packed`, false by default), whose packed forms differ.
-        self.vllm.init_weight_transfer_engine({}, timeout=self.timeout)
-
-    def pause(self) -> None:
-        # private: TRL's own bound for pause, resume and the reload set-up, a constant of its WeightTransferClient
-        self.vllm.pause(timeout=WeightTransferClient._CONTROL_TIMEOUT)
-
-    def resume(self) -> None:
-        self.vllm.resume(timeout=WeightTransferClient._CONTROL_TIMEOUT)
+        # The unpacked form, a handle per tensor: the empty init_info of vLLM 0.26 and 0.29, whose packed forms differ.
+        self.vllm.init_weight_transfer_engine({}, timeout=self.weight_sync_timeout)
 
     def send_weights(self, iterator) -> None:
-        self.vllm.start_weight_update(timeout=WeightTransferClient._CONTROL_TIMEOUT)
-        # Every tensor handed over stays referenced here until /finish_weight_update has answered. torch's CUDA-IPC
-        # contract: the sender keeps a shared tensor as long as the receiver may use it, and vLLM may past its
-        # chunk's answer (TRL starts the update in checkpoint format, so vLLM's layerwise reload buffers what it
-        # received until each of its layers is complete, or until finish_weight_update for those that never are).
-        # A parameter costs nothing to keep (it goes zero-copy); a merged LoRA weight is a copy, and keeping all of
-        # them is what the trainer-memory row counts as a merged push's staging.
+        self.vllm.start_weight_update(timeout=self.weight_sync_timeout)
+        # torch's CUDA-IPC contract: the sender keeps a shared tensor while the receiver may use it, which vLLM does
+        # until finish_weight_update. A merged LoRA weight is a copy: the trainer-memory row counts `sent` as staging.
         self.sent = []
         try:
             chunk, size = [], 0
             for name, tensor in iterator:
                 tensor = tensor.detach().contiguous()  # a parameter goes as it is, zero-copy, in its own dtype
                 if chunk and size + tensor.nbytes > self.chunk_bytes:
-                    self._update(chunk)
+                    self.update(chunk)
                     chunk, size = [], 0
                 chunk.append((name, tensor))
                 self.sent.append(tensor)
                 size += tensor.nbytes
             if chunk:
-                self._update(chunk)
+                self.update(chunk)
         except Exception as exc:
             with contextlib.suppress(Exception):  # best effort, as TRL's client: the error below matters
-                self.vllm.finish_weight_update(timeout=self.timeout)
+                self.vllm.finish_weight_update(timeout=self.weight_sync_timeout)
             self.sent = []
-            if "VLLM_ALLOW_INSECURE_SERIALIZATION" in str(exc):
-                raise WeightTransferRefused(
-                    "vLLM refused the weight push: its ipc backend unpickles the CUDA-IPC handles only when started "
-                    "with VLLM_ALLOW_INSECURE_SERIALIZATION=1; restart it with VLLM_SERVER_DEV_MODE=1 "
-                    "VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve ... --host 127.0.0.1 --weight-transfer-config "
-                    "'{\"backend\":\"ipc\"}'") from exc
             if found := re.search(r"IPC handle not found for GPU UUID ([\w-]+)", str(exc)):
                 raise WeightTransferRefused(
                     f"vLLM runs on another GPU than the trainer ({found[0]}): CUDA IPC reaches only the same "
                     f"physical GPU; start this script with CUDA_VISIBLE_DEVICES=GPU-"
                     f"{found[1].lower().removeprefix('gpu-')}") from exc
-            # vLLM 0.26 answers a failed push with a bare 500: its cause is only in vLLM's own log.
+            # vLLM 0.26 answers a push its workers refused with a bare 500: the cause is only in vLLM's own log.
             answer = " ".join(str(exc).split())[:300]
             raise WeightTransferRefused(
                 f"weight push to vLLM at {self.vllm.server_url} over CUDA IPC failed ({answer}); the cause is in "
-                "vLLM's server log (the output of `vllm serve`); most likely vLLM runs without "
-                "VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment, or on another GPU than the trainer (compare "
-                "`nvidia-smi -L` with this script's CUDA_VISIBLE_DEVICES); vLLM keeps the weights it loaded so far "
-                "and stays paused") from exc
-        self.vllm.finish_weight_update(timeout=self.timeout)
+                "vLLM's server log (the output of `vllm serve`); most likely vLLM runs on another GPU than the trainer "
+                "(compare `nvidia-smi -L` with this script's CUDA_VISIBLE_DEVICES), or without "
+                "VLLM_ALLOW_INSECURE_SERIALIZATION=1, without which its ipc backend unpickles no handle: restart it "
+                "with VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve ... --host 127.0.0.1 "
+                "--weight-transfer-config '{\"backend\":\"ipc\"}'. vLLM keeps the weights it loaded and stays paused"
+            ) from exc
+        self.vllm.finish_weight_update(timeout=self.weight_sync_timeout)
         self.sent = []
-        # The copies just dropped wait in torch's IPC limbo until vLLM has closed its mappings of them too (its
-        # layerwise reload let go at finish_weight_update): this hands those back to the allocator now, instead of
-        # at the next allocation that finds no room.
-        torch.cuda.ipc_collect()
+        torch.cuda.ipc_collect()  # the copies dropped, once vLLM unmapped them, back to the allocator now
 
-    def _update(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
+    def update(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
         # vLLM reads the memory from its own process: every copy and merge queued on this one must have landed.
         torch.cuda.synchronize()
         # vLLM looks each handle up by its own device's str(uuid) and rebuilds it from reduce_tensor's args alone.
         handles = [{str(torch.cuda.get_device_properties(t.device).uuid):
                     torch.multiprocessing.reductions.reduce_tensor(t)[1]} for _, t in chunk]
-        # torch counts vLLM's mappings of what it shares (a block the trainer drops waits in its IPC limbo until vLLM
-        # closes it too), but its contract is that the sender keeps each shared tensor while the receiver may use
-        # it: send_weights keeps them all (self.sent) until the update has finished.
         self.vllm.update_weights({
             "names": [name for name, _ in chunk], "shapes": [list(t.shape) for _, t in chunk],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
-            "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}, timeout=self.timeout)
-
-    def destroy(self) -> None:
-        pass  # nothing to release: no process group, and vLLM keeps no handle past a push
+            "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}, timeout=self.weight_sync_timeout)
 
 
 class HarborRolloutWorker(HarnessRolloutWorker):
-    """TRL's harness worker running HarborRolloutLoop in its child, visiting the dataset in resume order, and stopping
-    on a signal (`check_health`) or as the script's stop_rollout_worker does."""
+    """TRL's harness worker, running HarborRolloutLoop in resume order, stopping on a signal (check_health)."""
 
     _loop_cls = HarborRolloutLoop  # private: TRL's worker starts the loop class named here; no argument names it
     stop = stop_rollout_worker
-    samples_left_at_stop = 0
-    pending: tuple[int, ...] = ()  # the untrained groups the resumed checkpoint left (_inner_training_loop sets it)
+    pending: list[int] = []  # the untrained groups of the checkpoint resumed from (build_trainer)
 
     def start(self) -> None:
         # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
@@ -3006,10 +2759,8 @@ class HarborRolloutWorker(HarnessRolloutWorker):
         self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
         kw.update(dataset=self.order, dataset_start_index=0)
         super().start()
-        read_only(self.rollout_buffer, self.metrics_queue, self._exception_info_queue)
+        read_only(self.rollout_buffer, self.metrics_queue)
         self.metrics_queue = ChildQueue(self.metrics_queue)  # TRL's log() reads it
-        # private: TRL's check_health() reads the child's failure from _exception_info_queue
-        self._exception_info_queue = ChildQueue(self._exception_info_queue)
 
     def check_health(self, stale_after_s: float) -> None:
         # TRL calls this each time the trainer has waited a queue poll for rollouts: a safe point to stop at.
@@ -3023,8 +2774,10 @@ class HarborRolloutWorker(HarnessRolloutWorker):
                 raise
             raise stop from None  # the child's reason is the whole story: TRL's wrapping adds nothing to it
 
+
 class StopAtStepEnd(TrainerCallback):
-    """Ends training at this step's end, with a save, once any rank has a stop request (SIGTERM, SIGUSR1)."""
+    """Ends training at this step's end, with a save, once any rank has a stop request (SIGTERM, SIGUSR1); completes
+    every checkpoint saved."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -3038,41 +2791,34 @@ class StopAtStepEnd(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
 
-class HeldOutEval(TrainerCallback):
-    """--eval-tasks on rank 0, before the first step, every --eval-steps and at the last. It runs inside the
-    step's end, after TRL's callback pushed that step's weights and before the next step can push again: every
-    eval rollout samples the weights of the step it is logged at (with --weight-sync-steps 1, TRL's default).
-    It runs before StopAtStepEnd: a stop request cuts it short, and the same step's end then stops and saves.
-    The final eval runs once TRL's rollout child has stopped: no training rollout is generated beside it.
+    def on_save(self, _args, _state, _control, **_kwargs):
+        self.trainer.complete_checkpoint()
 
-    The other ranks wait for it in `group`, a gloo group whose timeout is the eval's budget (eval_budget_s),
-    outside the collectives of training, whose timeout (ddp_timeout) is sized for collecting one group."""
+
+class HeldOutEval(TrainerCallback):
+    """--eval-tasks on rank 0 before the first step, every --eval-steps and at the last, at the step's end: after TRL
+    pushed the step's weights, before StopAtStepEnd (a stop request cuts it short). The other ranks wait for it in
+    `group`, a gloo group whose timeout is the eval's budget (eval_budget_s), not training's (ddp_timeout)."""
 
     def __init__(self, trainer, args: argparse.Namespace, plan: dict[str, Any], group):
         self.trainer, self.args, self.plan, self.group = trainer, args, plan, group
-        self.ran: set[int] = set()
-        self.done = {}  # step -> eval/pass_rate of each whole eval (None: nothing scored)
 
-    def run(self, state, control, final: bool = False) -> None:
+    def run(self, state, control) -> None:
         step, trainer = state.global_step, self.trainer
-        if step in self.ran:
-            return
-        self.ran.add(step)
-        # The checkpoint resumed from holds its step's whole eval (every rank read the same trainer_state.json):
-        # measuring it again would record the step twice. One cut short by the stop is measured again.
+        # One the resumed checkpoint holds whole is not measured twice; one cut short by the stop is measured again.
         record = next((e for e in state.log_history if e.get("step") == step and whole_eval(e)), None)
         if record is not None:
-            self.done[step] = record.get("eval/pass_rate")
+            trainer.held_out[step] = record.get("eval/pass_rate")
             if trainer.accelerator.is_main_process:
                 say(f"[harbor] eval at step {step}: on record in the resumed checkpoint, not measured again")
             return
         if trainer.accelerator.is_main_process:
-            if final and trainer.rollout_worker is not None:
+            if step >= state.max_steps and trainer.rollout_worker is not None:  # the final eval
                 trainer.rollout_worker.stop()
                 say("[harbor] rollout worker stopped: no training rollout runs beside the final eval")
             metrics = held_out_eval(self.args, self.plan, step)
             if whole_eval(metrics):
-                self.done[step] = metrics.get("eval/pass_rate")
+                trainer.held_out[step] = metrics.get("eval/pass_rate")
             should_log = control.should_log  # on_log clears it, which would drop the step's own log line
             Trainer.log(trainer, metrics)  # transformers' own: TRL's log() would take the step's metrics too
             control.should_log = should_log
@@ -3083,59 +2829,135 @@ class HeldOutEval(TrainerCallback):
         self.run(state, control)
 
     def on_step_end(self, _args, state, control, **_kwargs):
-        last = state.global_step >= state.max_steps
-        if last or (self.args.eval_steps and state.global_step % self.args.eval_steps == 0):
-            self.run(state, control, final=last)
+        every = self.args.eval_steps
+        if state.global_step >= state.max_steps or (every and state.global_step % every == 0):
+            self.run(state, control)
 
-    def on_train_end(self, _args, state, control, **_kwargs):
-        if not self.trainer.stop_agreed:  # training ended before its last step (TRL's epoch stop)
-            self.run(state, control, final=True)
 
 class StepLog(Trainer):
-    """Comes after AsyncGRPOTrainer in HarborGRPOTrainer's MRO, so its log() runs between TRL's, which drained the
-    rollout child's metrics and reduced them by name, and transformers', which records the step's log: the one point
-    where the step's figures are complete and can still be added to (RolloutAccounting.step)."""
-
-    accounting: RolloutAccounting
+    """The step line and the launch's totals. After AsyncGRPOTrainer in HarborGRPOTrainer's MRO, its log() runs
+    between TRL's, which reduced the rollout child's metrics into the step's log, and transformers', which records it.
+    A micro-batch is trained once a training step took it: accelerate collates one ahead, which a stop leaves."""
 
     def log(self, logs, start_time=None):
         if "loss" in logs and self.accelerator.is_main_process:
-            self.accounting.step(self.state.global_step, logs)
+            self.step_line(self.state.global_step, logs)
         elif self.accelerator.is_main_process:  # the run's closing log: what TRL counted after the last step
-            self.accounting.count(logs)
+            self.count(logs)
         super().log(logs, start_time)
 
+    def count(self, metrics: dict[str, Any]) -> None:
+        self.totals.update({k: v for k, v in metrics.items() if k.endswith("_total") and isinstance(v, float)})
+
+    def step_line(self, step: int, logs: dict[str, Any]) -> None:
+        now = time.monotonic()
+        elapsed, self.last_step_at = now - self.last_step_at, now
+        batches, self.step_batches = self.step_batches, []
+        trained = sorted(set().union(*batches) - self.trained_groups)
+        self.trained_groups.update(trained)
+        samples = sum(sum(groups.values()) for groups in batches)
+        (high, low, beyond, tokens, informative), self.terms = self.terms, NO_TERMS
+        got = {key: logs.get(f"harbor/{key}") or 0.0 for key in ("rollouts_total", "errors_total", "groups_total",
+                                                                  "zero_variance_groups_total", "sandbox_s_total")}
+        logs |= {"harbor/rollouts_per_min": got["rollouts_total"] / elapsed * 60,
+                 "harbor/trained/groups": float(len(trained)), "harbor/trained/samples": float(samples)}
+        if tokens:
+            logs |= {"harbor/trained/informative_token_frac": informative / tokens, "harbor/ratio_max": high,
+                     "harbor/ratio_min": low, "harbor/ratio_beyond_bound_frac": beyond / tokens}
+        self.count(logs)
+        self.totals.update(trained_tokens=int(tokens), informative_tokens=int(informative))
+        scored, rate = int(got["rollouts_total"] - got["errors_total"]), logs.get("harbor/solve_rate")
+        frac = logs.get("harbor/zero_variance_frac")
+        errors = "".join(f" {kind}={n}" for kind, n in error_kinds(logs).items())
+        signal = f", {informative / tokens:.0%} with a non-zero advantage" if tokens else ""
+        ratio = f"; importance ratio {low:.3g}-{high:.3g}, {beyond / tokens:.0%} beyond the bound" if tokens else ""
+        say(f"[harbor] step {step}: {int(got['groups_total'])} groups finished, "
+            f"{int(got['zero_variance_groups_total'])} zero-variance ({'-' if frac is None else f'{frac:.0%}'}); "
+            f"{int(got['rollouts_total'])} rollouts ({logs['harbor/rollouts_per_min']:.1f}/min), sandbox "
+            f"{got['sandbox_s_total']:.0f}s, solve rate {'-' if rate is None else f'{rate:.2f}'} "
+            f"({round((rate or 0) * scored)}/{scored}), errors {int(got['errors_total'])}{errors}; trained "
+            f"{len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, {tokens:.0f} tokens"
+            f"{signal}{ratio}")
+
+    def totals_line(self, unlogged: list[dict[str, Any]]) -> None:
+        """Where this launch's rollouts and groups went; `unlogged`: what the rollout child sent after the last log."""
+        for metrics in unlogged:
+            self.count(metrics)
+        t = collections.Counter({key.removeprefix("harbor/"): int(n) for key, n in self.totals.items()})
+        groups, reached = t["groups_total"], len(self.trained_groups)
+        kept_out, none = t["not_trained/zero_variance_groups_total"], t["not_trained/no_scorable_groups_total"]
+        signal = (f", {t['informative_tokens'] / t['trained_tokens']:.0%} with a non-zero advantage"
+                  if t["trained_tokens"] else "")
+        errors, evals = error_kinds(self.totals), self.held_out
+
+        def rate(step: int) -> str:
+            return f"{'-' if evals[step] is None else f'{evals[step]:.2f}'} (step {step})"
+
+        say(f"[harbor] rollouts: {t['rollouts_total']} finished, {t['errors_total']} unscorable; groups: {groups} "
+            f"finished, {reached} reached the loss ({t['trained_tokens']} tokens{signal}); not trained: {kept_out} "
+            f"zero-variance (kept out), {none} with no scorable rollout, {groups - reached - kept_out - none} dropped "
+            f"as stale or left at the stop ({t['sample/dropped_stale_total']} stale samples)"
+            + (f"; unscorable: {', '.join(f'{kind} {n}' for kind, n in errors.most_common())}" if errors else "")
+            + (f"; held-out pass rate {rate(min(evals))} -> {rate(max(evals))}" if evals else ""))
+
+
+# A step's loss terms, over every rank: importance ratio max and min, how many beyond --delta, how many, how many with
+# a non-zero advantage.
+NO_TERMS = (-math.inf, math.inf, 0.0, 0.0, 0.0)
+
+
+def error_kinds(counts: dict[str, Any]) -> collections.Counter:
+    """The unscorable rollouts counted (harbor/errors/<kind>_total), by kind."""
+    return collections.Counter({key[14:-6]: int(n) for key, n in counts.items()
+                                if key.startswith("harbor/errors/") and key.endswith("_total") and n})
+
+
 class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
-    """AsyncGRPOTrainer with this script's accounting, stops, resume order, staged checkpoints and merged LoRA pushes.
-    The TRL and transformers methods it overrides are private (pinned exactly in the header); each says why beside
-    it (`# private:`)."""
+    """AsyncGRPOTrainer with this script's accounting, stops, resume order and merged LoRA pushes."""
 
-    _staging_dir: str | None = None
-    collated_groups: set[int] | frozenset[int] = frozenset()  # TRL's collator's, once get_train_dataloader ran
-
-    def __init__(self, *a, accounting: RolloutAccounting, **kw):
-        self.accounting = accounting  # before TRL's __init__, which may log
-        self.held_out: dict[int, float | None] = {}  # HeldOutEval's whole evals: step -> eval/pass_rate
+    def __init__(self, *a, **kw):
+        self.last_step_at, self.totals, self.trained_groups = time.monotonic(), collections.Counter(), set()
+        self.collated: collections.deque = collections.deque()  # samples per group of each micro-batch collated,
+        self.step_batches: list[collections.Counter] = []  # and of those this step trained
+        self.terms = NO_TERMS
+        self.held_out: dict[int, float | None] = {}  # whole held-out evals: step -> eval/pass_rate
+        self.collated_groups, self.stop_agreed = frozenset(), False
         super().__init__(*a, **kw)
         if self.rollout_worker is not None:  # TRL's eos ids (tokenizer's + model's); it sets them only on its own
             self.rollout_worker._loop_kwargs["eos_token_ids"] = self.eos_token_ids  # private: see start()
-            self.rollout_queue = FreshestGroupFirst(self.rollout_worker.rollout_buffer,  # TRL's dataset reads it
-                                                    lambda: self.model_version, self.args.max_staleness)
-        self.stop_agreed = False
+            self.rollout_queue = ChildQueue(self.rollout_worker.rollout_buffer)  # TRL's dataset reads it
+        model = self.accelerator.unwrap_model(self.model)
+        if is_peft_model(model):
+            # TRL's merged push calls PEFT's merge_adapter and unmerge_adapter: in bfloat16 the in-place round trip is
+            # not exact, so the frozen base would drift at every push. _streaming_iter sends the sum out of place.
+            model.merge_adapter = model.unmerge_adapter = lambda *a, **kw: None
+
+    def train(self, *a, **kw):
+        try:
+            return super().train(*a, **kw)
+        finally:  # TRL's own `finally` has stopped the rollout child, keeping what it sent after the last log
+            if self.accelerator.is_main_process:
+                unlogged = self.rollout_worker.metrics_queue
+                self.totals_line([unlogged.get() for _ in range(unlogged.qsize())])
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
         if self.accelerator.is_main_process:  # the only process that collates (accelerate dispatches batches)
-            # accelerate's dispatcher pulls each micro-batch from rank 0's loader and broadcasts it; the other
-            # ranks wait in that broadcast while rank 0 waits for rollouts. A stop that ends rank 0's wait
-            # reaches them as one more batch, so every rank leaves the step at the same point.
             base = getattr(loader, "base_dataloader", loader)
             self.collated_groups = base.collate_fn.groups_trained  # TRL's collator adds each group it collates
-            base.collate_fn = self.accounting.collate_with(base.collate_fn)
+            base.collate_fn = functools.partial(self.collate, base.collate_fn)
+            # The other ranks wait in accelerate's broadcast of rank 0's next micro-batch: a stop that ends rank 0's
+            # wait for rollouts reaches them as one more batch, and every rank leaves the step at the same point.
             # private: torch's DataLoader makes each pass's iterator in _get_iterator; no public hook wraps it
             make = base._get_iterator
             base._get_iterator = lambda: stop_batch_on_preempt(make(), self.accelerator.num_processes)
         return loader
+
+    def collate(self, collate, examples):
+        """TRL's collator, which sees a micro-batch whole: every rank's row."""
+        (rows,) = examples
+        self.collated.append(collections.Counter(sample["group_id"] for row in rows for sample in row.samples))
+        return collate(examples)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -3146,8 +2968,8 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.accelerator.is_main_process:
-            self.accounting.take_microbatch()
+        if self.accelerator.is_main_process and self.collated:
+            self.step_batches.append(self.collated.popleft())
         return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -3160,74 +2982,50 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
             hook.remove()
 
     def bound_ratio(self, inputs, _module, _args, outputs):
-        """The dual clip (--delta): TRL clips the ratio r = p_trainer / p_engine only where it helps the advantage's
-        sign, so a token with a negative advantage whose probability grew far past the engine's adds r x |A| to the
-        loss, unbounded (measured on the CPU rig: r 1.9e8, grad norm 6e9). Capping r at delta, as TRL's GRPOConfig
-        `delta` does, leaves such a token delta x |A| and no gradient. A packed position several samples share (a
-        group's common prefix) is capped at its lowest bound, so no term's ratio exceeds delta. The ratio's range and
-        the share of terms beyond the bound, before it, go to the step's log (RolloutAccounting)."""
+        """The dual clip (--delta): TRL clips r = p_trainer / p_engine only where it helps the advantage's sign, so a
+        negative-advantage token whose probability grew far past the engine's adds r x |A|, unbounded (measured on the
+        CPU rig: r 1.9e8, grad norm 6e9). Capped at delta, as TRL's GRPOConfig `delta`, it adds delta x |A| and no
+        gradient; a packed position several samples share, at its lowest bound."""
         selected = inputs["token_index"] >= 0
         index, old = inputs["token_index"][selected], inputs["old_log_probs"][selected]
         log_probs = outputs.log_probs.flatten()
         with torch.no_grad():
             ratio = torch.exp(log_probs[index].float() - old.float())
-            delta = self.args.delta or math.inf
             extremes = (torch.stack([ratio.max(), -ratio.min()]) if ratio.numel()
                         else torch.full((2,), -math.inf, device=ratio.device))
-            extremes = self.accelerator.gather(extremes[None]).amax(0)
-            counts = self.accelerator.reduce(torch.stack([(ratio > delta).sum().float(),
-                                                          torch.tensor(float(ratio.numel()), device=ratio.device)]),
-                                             reduction="sum")
-            self.accounting.add_ratios(extremes[0].item(), -extremes[1].item(), *counts.tolist())
+            high, low = self.accelerator.gather(extremes[None]).amax(0).tolist()
+            counts = [(ratio > (self.args.delta or math.inf)).sum(), (inputs["advantages"][selected] != 0).sum(),
+                      torch.tensor(ratio.numel(), device=ratio.device)]
+            beyond, informative, terms = self.accelerator.reduce(torch.stack(counts).float(), reduction="sum").tolist()
+            h, l, b, t, i = self.terms
+            self.terms = (max(h, high), min(l, -low), b + beyond, t + terms, i + informative)
         if self.args.delta:
             cap = torch.full_like(log_probs, math.inf).scatter_reduce(
                 0, index, (old + math.log(self.args.delta)).to(log_probs.dtype), reduce="amin")
             outputs.log_probs = torch.minimum(log_probs, cap).view_as(outputs.log_probs)
         return outputs
 
-    def resume_position(self) -> tuple[list[int], int]:
-        """Unsettled visits and the next visit, for rollout_state.json. Settled, never run again: a group an
-        optimizer step trained, and one the rollout child settled without a sample (kept out for zero variance,
-        or none of its rollouts scorable, which a rerun would fail again; groups.jsonl). Every other group the
-        trainer took or the child scored runs again (collated ahead, in a dropped step, stale, still queued). The
-        step's log (every step) has counted its groups as trained before a save reads them."""
-        done = self.accounting.trained_groups | {g for g, outcome in self.accounting.settled_groups().items()
-                                                 if outcome != "samples"}
+    def complete_checkpoint(self) -> None:
+        """Writes the resume order into the checkpoint just saved, last: it marks the checkpoint whole. TRL's position
+        would repeat trained groups after it and skip those collated ahead or dropped by a stop. Settled, never run
+        again: a group a step trained, one kept out, and one with no scorable rollout (a rerun would fail again)."""
+        if not self.accelerator.is_main_process:
+            return
+        state_file = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}" / "rollout_state.json"
+        state, order = json.loads(state_file.read_text()), self.rollout_worker.order
+        groups = Path(self.args.output_dir) / "groups.jsonl"
+        lines = groups.read_text().split("\n")[:-1] if groups.is_file() else []  # whole lines: the child writes on
+        last = {r["visit"]: r for r in map(json.loads, lines)}  # the last line of a visit says how it settled
+        kept_out = {r["group"] for r in last.values()
+                    if r["outcome"] != "samples" and order.visit(r["group"]) == r["visit"]}
+        done = self.trained_groups | kept_out
         seen = max(self.collated_groups | done, default=-1) + 1
-        return self.rollout_worker.order.after(seen, done)
-
-    # private: transformers' training loop, where TRL reads the resumed checkpoint before the rollout child starts
-    def _inner_training_loop(self, *a, **kw):
-        checkpoint = kw.get("resume_from_checkpoint")
-        if self.rollout_worker is not None and checkpoint:
-            state = json.loads((Path(checkpoint) / "rollout_state.json").read_text())
-            self.rollout_worker.pending = [int(v) for v in state.get("pending", [])]
-        try:
-            return super()._inner_training_loop(*a, **kw)
-        finally:  # TRL's own `finally` has stopped the rollout child by now
-            if self.accelerator.is_main_process:
-                queued = self.rollout_worker.samples_left_at_stop + len(self.rollout_queue.held)
-                self.accounting.finish(queued, self.held_out)
+        state["pending"], state["prompt_index"] = order.after(seen, done)
+        state_file.write_text(json.dumps(state))
 
     # private: TRL has no switch for merged sync only; its probe would advise the --enable-lora the preflight refuses
     def _init_lora_sync(self, model):
-        # Merged sync only (the preflight refuses an --enable-lora vLLM): TRL's adapter-only sync registers
-        # adapters under its own names, which the capture proxy never asks for.
         return False
-
-    # private: TRL's merged push; no public switch keeps it from merging the adapter in place
-    def _sync_weight_merged(self, t0):
-        model = self.accelerator.unwrap_model(self.model)
-        if not is_peft_model(model):
-            return super()._sync_weight_merged(t0)
-        # PEFT's merge_adapter adds the adapter into the base weights in place and unmerge_adapter subtracts it:
-        # in bfloat16 the round trip is not exact, so the frozen base would drift by rounding steps at every
-        # push. _streaming_iter streams the same sum, rounded once, out of place instead.
-        model.merge_adapter = model.unmerge_adapter = lambda *a, **kw: None
-        try:
-            return super()._sync_weight_merged(t0)
-        finally:
-            del model.merge_adapter, model.unmerge_adapter
 
     # private: the tensors TRL's merged push sends; no public hook supplies them
     def _streaming_iter(self):
@@ -3247,62 +3045,21 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
                 tensor = tensor.to(param.dtype)
             yield name, tensor.to(self.accelerator.device)
 
-    # private: transformers has no public hook for the directory a checkpoint is written into
-    def _get_output_dir(self, trial):
-        # transformers and TRL write a checkpoint file by file into <output dir>/checkpoint-N; pointing them at a
-        # staging dir while they do means a kill mid-save leaves no half-written checkpoint-N behind.
-        return self._staging_dir or super()._get_output_dir(trial)
 
-    # private: transformers' checkpoint save, the one place to stage it and publish it whole
-    def _save_checkpoint(self, model, trial):
-        name = f"checkpoint-{self.state.global_step}"
-        run_dir = Path(super()._get_output_dir(trial))
-        staging = run_dir / f".staging-{name}"
-        if self.accelerator.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
-        self.accelerator.wait_for_everyone()  # no rank writes into the staging dir before it is emptied
-        self._staging_dir = str(staging)
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._staging_dir = None
-        self.accelerator.wait_for_everyone()  # every rank's files are in before the rename
-        if not self.accelerator.is_main_process:
-            return
-        # TRL resumes at the first group no micro-batch held, which repeats trained groups after it and skips
-        # the ones accelerate collated ahead or a stop dropped; resume_position() knows which were trained.
-        state_file = staging / name / "rollout_state.json"
-        state = json.loads(state_file.read_text())
-        state["pending"], state["prompt_index"] = self.resume_position()
-        state_file.write_text(json.dumps(state))  # in the staging dir: published whole by the rename below
-        # One rename puts the whole checkpoint in place. transformers rotated checkpoints in the dir it saved into,
-        # the staging dir, which holds only this one: the rotation runs here, after the rename, over the run dir.
-        final, replaced = run_dir / name, run_dir / f".replaced-{name}"
-        if final.exists():  # an unusable checkpoint of this step, from before a fallback to an older one
-            shutil.rmtree(replaced, ignore_errors=True)
-            final.rename(replaced)
-        (staging / name).rename(final)
-        shutil.rmtree(replaced, ignore_errors=True)
-        rotate_checkpoints(str(run_dir), save_total_limit=self.args.save_total_limit, use_mtime=True)
-        staging.rmdir()
-
-
-# Which checkpoint a resume continues (the preflight's resume row asks before any weights load), beside the save that
-# writes them: what _save_checkpoint publishes whole is what checkpoint_problem reads.
 def numbered_checkpoints(output_dir: str) -> list[Path]:
     """checkpoint-N dirs, newest first, as transformers rotates them (its get_last_checkpoint gives only the newest)."""
     return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """Why a resume from `path` would fail, or None. Only the state files this script reads are checked: every file of
-    a checkpoint-N is complete once it exists (the staged rename, HarborGRPOTrainer._save_checkpoint), so what remains
-    is a path that is no checkpoint of this script, or state files damaged since."""
+    """Why a resume from `path` would fail, or None. A save writes the resume order last (complete_checkpoint)."""
     try:
         int(json.loads((path / "trainer_state.json").read_text())["global_step"])
         rollout = json.loads((path / "rollout_state.json").read_text())
         int(rollout["prompt_index"])
-        [int(visit) for visit in rollout.get("pending", [])]
+        if "pending" not in rollout:
+            return "a save cut short (rollout_state.json holds no resume order)"
+        [int(visit) for visit in rollout["pending"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -3340,23 +3097,23 @@ def resolve_resume(args: argparse.Namespace) -> str | None:
 
 
 def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | None:
-    """A LoRA checkpoint resumed without --use-peft, or full weights with it: transformers would load nothing. Or one
-    of other --lora-* flags: PEFT loads the weights into the adapter the flags built without reading the saved config,
-    so another rank fails on shapes and another alpha silently rescales every push."""
+    """A LoRA checkpoint resumed without --use-peft, or full weights with it (transformers would load nothing), or with
+    other --lora-* flags (PEFT loads into the adapter the flags built: another rank fails, another alpha rescales)."""
     saved = Path(checkpoint or "") / "adapter_config.json"
     if checkpoint is not None and args.use_peft and saved.is_file():
         config = json.loads(saved.read_text())
         flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
         differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
                   if config.get(key) != value]
-        # PEFT saves the modules it resolved its target_modules to (its default for the architecture, all-linear): so
-        # are the flags' compared. Flags that match no module, or an unreadable --model: the LoRA targets row says so.
+        # PEFT saves the modules its target_modules resolved to: so are the flags' compared (the LoRA targets row says
+        # so where they resolve to none, or --model is unreadable).
         if model_shape_error(args) is None:
             with contextlib.suppress(ValueError):
                 ours = set(lora_model(args).peft_config["default"].target_modules)
                 theirs = set(config.get("target_modules") or [])
                 if ours != theirs:  # named by kind: all-linear resolves to every layer's modules by path
-                    saved_on, flags_on = (" ".join(sorted({n.split(".")[-1] for n in names})) for names in (theirs, ours))
+                    saved_on, flags_on = (" ".join(sorted({n.split(".")[-1] for n in names}))
+                                          for names in (theirs, ours))
                     differ.append(f"target_modules {saved_on} (flags: {flags_on})")
         return (f"{checkpoint} holds an adapter of another shape: {', '.join(differ)}; resume with the run's "
                 "--lora-* flags") if differ else None
@@ -3370,39 +3127,37 @@ def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | Non
 
 def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, Any]],
                   plan: dict[str, Any] | None = None):
-    config = args.config
+    config, plan = args.config, plan or {}
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=config.trust_remote_code)
     dataset = Dataset.from_list(task_rows(tasks, split, args.harnesses))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    records = os.path.join(args.output_dir, "rollouts.jsonl")
-    accounting = RolloutAccounting(args.output_dir)
     worker = HarborRolloutWorker(
         model_name=args.model, dataset=dataset, reward_funcs=[],
         processing_class=tokenizer, vllm_server_url=config.vllm_server_base_url,
         max_tokens=config.max_completion_length,  # AsyncGRPOTrainer's own worker takes the same config fields:
         **{k: getattr(config, k) for k in ("num_generations", "max_inflight_tasks", "queue_maxsize", "temperature",
                                            "request_timeout", "log_completions", "num_completions_to_print")},
-        harness_session_factory=functools.partial(HarborSessionFactory, **session_settings(args), record_path=records,
+        harness_session_factory=functools.partial(HarborSessionFactory, **session_settings(args),
+                                                  record_path=os.path.join(args.output_dir, "rollouts.jsonl"),
                                                   split_by_harness=len(args.harnesses) > 1),
         rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit),
         efficiency_weight=args.efficiency_weight,
         max_zero_variance_groups=args.max_zero_variance_groups, groups_per_pass=len(dataset),
-        groups_path=str(accounting.groups_path),
+        groups_path=os.path.join(args.output_dir, "groups.jsonl"),
     )
+    if plan.get("resume"):  # TRL reads the checkpoint's position itself; the untrained groups before it go first
+        worker.pending = json.loads((Path(plan["resume"]) / "rollout_state.json").read_text())["pending"]
     # vLLM's --weight-transfer-config decided the backend (check_weight_transfer); nccl: TRL's WeightTransferClient.
     transfer = (CudaIpcWeightTransfer(args.vllm_url, config.weight_sync_timeout)
-                if (plan or {}).get("weight_transfer") == "ipc" else None)
+                if plan.get("weight_transfer") == "ipc" else None)
     trainer = HarborGRPOTrainer(model=args.model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                                rollout_worker=worker, peft_config=peft_config(args), weight_transfer=transfer,
-                                accounting=accounting)
-    if plan and plan.get("eval_tasks"):
+                                rollout_worker=worker, peft_config=peft_config(args), weight_transfer=transfer)
+    if plan.get("eval_tasks"):
         group = None
         if dist.is_initialized() and dist.get_world_size() > 1:  # every rank builds its trainer: all create it
             budget = eval_budget_s(args, len(plan["eval_tasks"]))
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=budget))
-        held_out = HeldOutEval(trainer, args, plan, group)
-        trainer.held_out = held_out.done
-        trainer.add_callback(held_out)
+        trainer.add_callback(HeldOutEval(trainer, args, plan, group))
     trainer.add_callback(StopAtStepEnd(trainer))  # after the eval: a stop that cut it short stops this step
     return trainer
 

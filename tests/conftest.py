@@ -205,8 +205,7 @@ def trainer_without_rollouts(model: Path, out: Path, worker, **config):
     trainer = script.HarborGRPOTrainer(model=str(model), args=args,
                                        processing_class=script.AutoTokenizer.from_pretrained(model),
                                        train_dataset=script.Dataset.from_list([{"prompt": "x"}]),
-                                       rollout_worker=worker, weight_transfer=object(),
-                                       accounting=script.RolloutAccounting(str(out)))
+                                       rollout_worker=worker, weight_transfer=object())
     trainer.current_gradient_accumulation_steps = 1  # what transformers' training loop sets before a step
     trainer.model.train()
     return trainer

@@ -193,7 +193,7 @@ def read_as_the_stop_does(worker) -> None:
     from test_preemption import agh
 
     agh.stop_rollout_worker(worker)
-    assert worker._process is None and worker.samples_left_at_stop == 0
+    assert worker._process is None and worker.metrics_queue.empty()
 
 
 def read_as_trl_does(worker) -> None:
@@ -220,7 +220,7 @@ def test_a_sample_the_rollout_child_dies_handing_over_reads_as_the_end_of_the_qu
     os.kill(child.pid, signal.SIGKILL)  # the sample is torn: the pipe holds its first part only
     child.join()
     worker = types.SimpleNamespace(_process=child, rollout_buffer=samples, metrics_queue=metrics,
-                                   samples_left_at_stop=0, _stop_event_mp=ctx.Event())
+                                   _stop_event_mp=ctx.Event())
     errors = []
     reader = threading.Thread(target=lambda: errors.extend(capture(read, worker)), daemon=True)
     reader.start()
@@ -263,7 +263,7 @@ def test_a_stop_event_a_dead_process_waited_on_does_not_hang_the_stop():
     child = ctx.Process(target=time.sleep, args=(600,), daemon=True)  # a child that does not exit on its own
     child.start()
     worker = types.SimpleNamespace(_process=child, rollout_buffer=ctx.Queue(), metrics_queue=ctx.Queue(),
-                                   samples_left_at_stop=0, _stop_event_mp=stop_event)
+                                   _stop_event_mp=stop_event)
     stop = threading.Thread(target=agh.stop_rollout_worker, args=(worker, 0.5), daemon=True)
     stop.start()
     stop.join(120)  # a guard against a hang, not a time limit

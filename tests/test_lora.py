@@ -157,7 +157,7 @@ def test_lora_resumes_from_an_adapter_checkpoint_and_pushes_it_first(lora_runs):
 
 
 def test_lora_checkpoints_are_resumable_and_refused_without_use_peft(lora_runs, tmp_path):
-    # Every checkpoint-N is whole once it exists (the staged rename), adapter checkpoints too.
+    # A LoRA run's checkpoints are whole (their resume order written last), as a full one's.
     script, out = load_script(), lora_runs["out"]
     assert script.checkpoint_problem(out / "checkpoint-3") is None
     # a LoRA checkpoint resumed without --use-peft would load no adapter at all

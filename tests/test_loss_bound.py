@@ -99,10 +99,10 @@ def test_a_stale_negative_advantage_sample_moves_the_weights_no_more_than_on_pol
 
 def test_the_steps_log_carries_the_ratios_range_and_the_share_beyond_the_bound(trainer):
     own = trainer_log_probs(trainer)
-    trainer.accounting.step(0, {})  # the step before: what the forwards above measured
+    trainer.step_line(0, {})  # the step before: what the forwards above measured
     update(trainer, own[:1] + [lp - STALE for lp in own[1:]])  # every token but the first far off-policy
     logs: dict = {}
-    trainer.accounting.step(1, logs)
+    trainer.step_line(1, logs)
     assert logs["harbor/ratio_max"] == pytest.approx(math.exp(STALE), rel=1e-3)
     assert logs["harbor/ratio_min"] == pytest.approx(1.0, abs=1e-4)
     assert logs["harbor/ratio_beyond_bound_frac"] == pytest.approx((len(own) - 1) / len(own))

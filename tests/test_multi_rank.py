@@ -104,7 +104,6 @@ def test_a_stop_while_waiting_for_rollouts_checkpoints_every_rank(stopped_and_re
     assert {f"rng_state_{rank}.pth" for rank in range(RANKS)} <= set(files), files
     assert agh.checkpoint_problem(out / "checkpoint-1") is None
     assert [e["step"] for e in log_history(out, 1)] == [1]
-    assert not list(out.glob(".staging-*"))
 
 
 def assert_stopped_every_rank(output: str, out: Path, saved: dict) -> None:

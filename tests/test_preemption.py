@@ -108,12 +108,14 @@ def preempted_and_relaunched(rig, tmp_path_factory):
     assert_all_slots_free(rig)
     saved = {p.name: (json.loads((p / "rollout_state.json").read_text()), log_history(out, int(p.name[11:])))
              for p in out.glob("checkpoint-*")}
-    # What a save killed midway leaves: the next step's checkpoint, weights cut short, in its staging dir. It never
-    # becomes a checkpoint-3 (_save_checkpoint renames only a whole one), so no resume can pick it.
-    partial = out / ".staging-checkpoint-3" / "checkpoint-3"
+    # What a save killed midway leaves: the next step's checkpoint, its weights cut short, and TRL's rollout_state.json
+    # (written first) without the resume order the script writes last.
+    partial = out / "checkpoint-3"
     shutil.copytree(out / "checkpoint-2", partial)
     weights = partial / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    state = json.loads((partial / "rollout_state.json").read_text())
+    (partial / "rollout_state.json").write_text(json.dumps({k: state[k] for k in ("prompt_index", "model_version")}))
     relaunched = run_script(command, cwd=work)
     return code, first, saved, relaunched, out, (first_groups, jsonl(out / "groups.jsonl")[len(first_groups):])
 
@@ -146,8 +148,8 @@ def test_the_same_command_ignores_a_killed_save_and_continues_exactly(preempted_
     assert after["model_version"] == before["model_version"] + 2
     # The task order continues: first the groups the stop left untrained, then the tasks after the last one taken.
     assert_resumed_order(before, relaunched.stdout)
-    # The killed save's leftovers made way for the relaunch's whole checkpoint of step 3.
-    assert not list(out.glob(".staging-*"))
+    # The killed save was skipped, with a warning, and the relaunch's whole checkpoint of step 3 replaced it.
+    assert f"warning: skipping {out}/checkpoint-3: a save cut short" in relaunched.stderr
     assert agh.checkpoint_problem(out / "checkpoint-3") is None
     assert load_file(out / "checkpoint-3" / "model.safetensors")
 
@@ -193,8 +195,7 @@ def test_a_resume_runs_the_untrained_groups_first_then_continues_the_order():
     assert order.after(1, done=set()) == ([5, 7], 9)
 
 
-# The state files this script reads; the weights and optimizer files are whole once checkpoint-N exists (a save killed
-# midway leaves only its staging dir: the relaunch above).
+# The state files this script reads; a save killed midway lacks the resume order written last (the relaunch above).
 @pytest.mark.parametrize("damage", ["cut trainer_state.json", "no rollout_state.json"])
 def test_a_damaged_checkpoint_is_not_resumed_from(preempted_and_relaunched, tmp_path, damage):
     _, _, _, _, out, _ = preempted_and_relaunched

@@ -53,8 +53,11 @@ class Private:
 # Every private name the script touches, what it relies on, and where the library relies on the script's override.
 PRIVATE = [
     # TRL: the loop-owning harness loop, run in the rollout child; HarborRolloutLoop subclasses it.
-    Private(HARNESS, "_HarnessRolloutLoop", "the loop HarnessRolloutWorker runs in its child", "class",
-            used_by=(f"{HARNESS}:HarnessRolloutWorker: _loop_cls = _HarnessRolloutLoop",)),
+    Private(HARNESS, "_HarnessRolloutLoop", "the loop HarnessRolloutWorker runs in its child, handed the metric "
+            "queue and the failure channel as keyword arguments", "class",
+            used_by=(f"{HARNESS}:HarnessRolloutWorker: _loop_cls = _HarnessRolloutLoop",
+                     f"{WORKER}:_child_main: failed_event=failed_event,\\s+exception_info_queue=exception_info_queue,"
+                     "\\s+metrics_queue=metrics_queue")),
     Private(f"{HARNESS}:_HarnessRolloutLoop", "_score_group", "async (self, group) -> samples, awaited per group",
             "method", ("self", "group"), coroutine=True,
             used_by=(f"{WORKER}:_AsyncRolloutLoop: await self._score_group\\(group\\)",)),
@@ -65,21 +68,12 @@ PRIVATE = [
             used_by=(f"{WORKER}:_AsyncRolloutLoop: payload.update\\(self._counters\\)",)),
     Private(f"{HARNESS}:_HarnessRolloutLoop", "_rates", "[numerator, denominator] metrics, pushed with TRL's", "init",
             used_by=(f"{WORKER}:_AsyncRolloutLoop: in self._rates.items\\(\\)",)),
-    Private(f"{HARNESS}:_HarnessRolloutLoop", "_factory", "the session factory the loop built", "init"),
-    Private(f"{HARNESS}:_HarnessRolloutLoop", "_metrics_queue", "the child's metric queue to the trainer", "init"),
-    Private(f"{HARNESS}:_HarnessRolloutLoop", "_stop_event", "the asyncio.Event that stops the loop", "init"),
-    Private(f"{HARNESS}:_HarnessRolloutLoop", "_exception_info_queue", "the child's failure channel to the trainer",
-            "init", used_by=(f"{WORKER}:AsyncRolloutWorker.check_health: self._exception_info_queue.get_nowait",)),
-    Private(f"{HARNESS}:_HarnessRolloutLoop", "_failed_event", "set once a failure is on the channel", "init",
-            used_by=(f"{WORKER}:AsyncRolloutWorker.check_health: self._failed_event.is_set\\(\\)",)),
     Private(f"{HARNESS}:HarnessRolloutWorker", "_loop_cls", "the loop class start() runs in the child", "class_attr",
             used_by=(f"{WORKER}:AsyncRolloutWorker.start: self._loop_cls,",)),
     Private(f"{HARNESS}:HarnessRolloutWorker", "_loop_kwargs", "the child loop's keyword arguments, sent by start()",
             "init", used_by=(f"{WORKER}:AsyncRolloutWorker.start: self._loop_kwargs,",
                              f"{TRAINER}:AsyncGRPOTrainer._inner_training_loop: "
                              '_loop_kwargs\\["dataset_start_index"\\]')),
-    Private(f"{HARNESS}:HarnessRolloutWorker", "_exception_info_queue", "the queue check_health() reads", "init",
-            used_by=(f"{WORKER}:AsyncRolloutWorker.check_health: self._exception_info_queue.get_nowait\\(\\)",)),
     Private(f"{HARNESS}:HarnessRolloutWorker", "_process", "the child process, None once stopped", "init"),
     Private(f"{HARNESS}:HarnessRolloutWorker", "_stop_event_mp", "the multiprocessing Event the child stops on",
             "init"),
@@ -91,23 +85,14 @@ PRIVATE = [
     Private(f"{TRAINER}:AsyncGRPOTrainer", "_init_lora_sync", "(self, model) -> bool: whether to push adapters only",
             "method", ("self", "model"),
             used_by=(f"{TRAINER}:AsyncGRPOTrainer.__init__: lora_sync = self._init_lora_sync\\(model\\)",)),
-    Private(f"{TRAINER}:AsyncGRPOTrainer", "_sync_weight_merged", "(self, t0): the merged push", "method",
-            ("self", "t0"), used_by=(f"{TRAINER}:AsyncGRPOTrainer._sync_weight: self._sync_weight_merged\\(t0\\)",)),
     Private(f"{TRAINER}:AsyncGRPOTrainer", "_streaming_iter", "a generator of the (name, tensor) the push sends",
             "method", ("self",), generator=True,
             used_by=(f"{TRAINER}:AsyncGRPOTrainer._sync_weight_merged: send_weights\\(self._streaming_iter\\(\\)\\)",)),
-    Private("trl.experimental.async_grpo.weight_transfer:WeightTransferClient", "_CONTROL_TIMEOUT",
-            "seconds TRL allows pause, resume and the reload set-up", "number"),
     # transformers' Trainer.
-    Private("transformers:Trainer", "_inner_training_loop", "the training loop, given resume_from_checkpoint by name",
-            "method", ("self", "batch_size", "args", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
-            used_by=("transformers:Trainer.train: self._inner_training_loop",
-                     "transformers:Trainer.train: resume_from_checkpoint=resume_from_checkpoint")),
-    Private("transformers:Trainer", "_save_checkpoint", "(self, model, trial): writes checkpoint-N, resumable",
-            "method", ("self", "model", "trial"),
-            used_by=("transformers:Trainer._maybe_log_save_evaluate: self._save_checkpoint\\(model, trial\\)",)),
-    Private("transformers:Trainer", "_get_output_dir", "(self, trial): where _save_checkpoint writes", "method",
-            ("self", "trial"), used_by=("transformers:Trainer._save_checkpoint: run_dir = self._get_output_dir\\(",)),
+    Private("transformers:Trainer", "_save_checkpoint", "(self, model, trial): writes checkpoint-N, resumable, "
+            "followed by on_save, which completes it", "method", ("self", "model", "trial"),
+            used_by=("transformers:Trainer._maybe_log_save_evaluate: self._save_checkpoint\\(model, trial\\)\\s+"
+                     "self.control = self.callback_handler.on_save",)),
     # torch.
     Private("torch.utils.data:DataLoader", "_get_iterator", "(self): makes each pass's iterator", "method",
             ("self",), used_by=("torch.utils.data:DataLoader.__iter__: self._get_iterator\\(\\)",)),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
+import re
 import threading
 from collections import defaultdict
 from types import SimpleNamespace
@@ -36,9 +38,10 @@ def scoring_loop(max_zero_variance_groups: int = 100):
     loop = object.__new__(agh.HarborRolloutLoop)
     loop.reward_funcs, loop._env_reward_types, loop.reward_func_names = [], [], ["harness_reward"]
     loop.efficiency_weight, loop.max_zero_variance_groups, loop.flat_run = W, max_zero_variance_groups, []
-    loop._stop_event, loop.passes = threading.Event(), agh.PassRate(1)
+    loop.stop_event, loop.passes = threading.Event(), agh.PassRate(1)
+    loop.failures, loop.failed_event = queue.Queue(), threading.Event()  # TRL's failure channel to the trainer
     loop._counters, loop._rates = defaultdict(float), defaultdict(lambda: [0.0, 0.0])
-    loop._factory = SimpleNamespace(split_by_harness=False, _say=print)
+    loop.factory = SimpleNamespace(split_by_harness=False, _say=print)
     loop.groups_path = ""  # groups.jsonl: test_each_scored_group_is_settled_once_as_a_resume_reads_it writes one
     return loop
 
@@ -110,9 +113,16 @@ def test_a_long_run_of_zero_variance_groups_stops_the_worker_with_the_reason():
     assert advantages([rollout(1.0), rollout(0.0)], loop) is not None  # variance: the count starts over
     assert advantages([rollout(None), rollout(None)], loop) is None  # unscorable: the failure counter's business
     assert advantages(solved, loop) is None and advantages(failed, loop) is None
-    with pytest.raises(agh.NoSignal, match=r"^the last 3 groups .*\(1 solved by every rollout, 2 by "
-                                           r"none\).*--eval-only --curate"):
-        advantages(failed, loop)
+    assert not loop.stop_event.is_set() and not loop.failed_event.is_set()
+    assert advantages(failed, loop) is None
+    # The worker stops, and the trainer's check_health raises the reason (stop_from_child), in one line.
+    assert loop.stop_event.is_set() and loop.failed_event.is_set()
+    name, message, trace = loop.failures.get_nowait()
+    failed = RuntimeError("Rollout worker child has failed; see chained exception.")
+    failed.__cause__ = RuntimeError(f"{name}: {message}\n{trace}")  # as TRL's check_health raises it
+    stop = agh.stop_from_child(failed)
+    assert isinstance(stop, agh.NoSignal), stop
+    assert re.match(r"^the last 3 groups .*\(1 solved by every rollout, 2 by none\).*--eval-only --curate", str(stop))
 
 
 def test_each_scored_group_is_settled_once_as_a_resume_reads_it(tmp_path):

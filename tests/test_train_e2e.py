@@ -36,8 +36,7 @@ def test_trains_three_steps_and_saves_the_model(trained):
 
 
 def test_keeps_the_newest_checkpoints_and_printed_their_size(trained):
-    # Three saves (--save-steps 1); --save-total-limit's default keeps the newest two. Saves are staged and renamed
-    # into place, so the rotation runs after that rename (transformers' own runs inside the staging dir).
+    # Three saves (--save-steps 1); --save-total-limit's default keeps the newest two.
     proc, out, _, _ = trained
     assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2", "checkpoint-3"]
     estimate = float(re.search(r"checkpoints\s+~([\d.]+) MB each", proc.stdout)[1]) * 1e6
