@@ -65,10 +65,10 @@ The sections below, in the order data flows (search for `# --- <name>`):
     Reward           harbor_reward (a rollout's score), shape_group_rewards (the group's, before TRL's advantages)
     Harbor server    EmbeddedHarborServer: the `openenv harbor serve` this script starts without --harbor-url
     Sizing           TrainerShape, trainer_peak: the disk and GPU memory a run needs
-    Preflight        PREFLIGHT_CHECKS: one check per row `--check` prints, run before any weights load
-    Measure          run_measure (--eval-only, --curate), held_out_eval (--eval-tasks during training)
-    Trainer          HarborRolloutLoop (in TRL's rollout child), RolloutAccounting, HarborGRPOTrainer (its
-                     checkpoints, and resolve_resume: which one a resume continues), build_trainer
+    Preflight        preflight: the rows `--check` prints, in order, run before any weights load
+    Measure          run_measure (--eval-only), curate (--curate), held_out_eval (--eval-tasks during training)
+    Trainer          HarborRolloutLoop (in TRL's rollout child: a group's reward, groups.jsonl), StepLog (the step
+                     line), HarborGRPOTrainer (the dual clip, checkpoints, resume order), build_trainer
     Main             main: arguments -> preflight -> train(), whose `trainer.train(...)` is the training call
 """
 
@@ -135,7 +135,7 @@ from openenv.harbor.client import HarborEnv  # noqa: E402
 from openenv.harbor.models import HarborRolloutResult  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback  # noqa: E402
-from transformers.trainer_utils import rotate_checkpoints, sort_checkpoints  # noqa: E402
+from transformers.trainer_utils import sort_checkpoints  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, packing  # noqa: E402
 # private: TRL's weight manifest walks _iter_vllm_named_params; the merged push must name the same tensors, in order
