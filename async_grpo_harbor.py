@@ -2390,6 +2390,12 @@ class PassRate:
         return finished
 
 
+# How many samples a group's rollouts made, on each of them from the rollout child to FreshestGroupFirst, which takes
+# it off before TRL reads the sample: TRL's queue hands a group over sample by sample, and a reader cannot otherwise
+# tell a whole group from one whose last samples are still on their way.
+GROUP_SAMPLES = "harbor_group_samples"
+
+
 class HarborRolloutLoop(_HarnessRolloutLoop):
     """TRL's loop-owning harness loop, run in TRL's rollout child, scoring each group the way this script trains: its
     rewards shaped (`shape_group_rewards`) before TRL normalises them into advantages, a zero-variance group kept out
@@ -2418,6 +2424,8 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         scores = group.rollout_rewards
         group.rollout_rewards = shape_group_rewards(scores, self.efficiency_weight)
         samples = await super()._score_group(group)
+        for sample in samples:
+            sample.metrics[GROUP_SAMPLES] = len(samples)
         if self.stop_event.is_set():
             return samples  # cut short by the stop (its unfinished rollouts are empty): no group to count or settle
         rewards = [r for r in group.rollout_rewards if r is not None]
@@ -2519,6 +2527,62 @@ class ChildQueue:
 
     def qsize(self) -> int:
         return self.mp_queue.qsize()
+
+
+class FreshestGroupFirst(ChildQueue):
+    """The rollout queue as TRL's dataset reads it, one sample per `get`, freshest group with a signal first.
+
+    TRL takes samples in the order they were scored and drops one only past --max-staleness, so whenever rollouts
+    finish faster than the trainer steps it trains groups up to --max-staleness versions old, and zero-variance ones
+    (advantage 0 everywhere: no gradient) while fresher groups with a signal wait. Each `get` takes every sample that
+    has arrived and hands over, in turn: one past --max-staleness (TRL drops and counts it, as in its own order), the
+    rest of the group it is handing over (a group's samples stay together, sharing their prefix in a micro-batch:
+    it waits for those still on their way, which the child put in one go), then the group of the newest policy
+    version with a non-zero advantage, then the newest other; among equals, the first scored. Stale samples are
+    dropped exactly as before; only which fresh group goes first changes. A resume runs again every group no step
+    trained, whatever order they were trained in (`resume_position`)."""
+
+    def __init__(self, mp_queue: Any, version: Callable[[], int], max_staleness: int):
+        super().__init__(mp_queue)
+        self.version, self.max_staleness = version, max_staleness
+        self.held: list[Any] = []  # taken from the child's queue and not handed over yet, in the order scored
+        self.missing: dict[int, int] = {}  # group -> how many of its samples have not arrived yet
+        self.group: int | None = None  # the group being handed over
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        self.take_arrived()
+        while not self.held or (self.group in self.missing and all(s.group_id != self.group for s in self.held)):
+            self.arrive(super().get(block, timeout))  # waits as TRL asked; raises queue.Empty as it expects
+            self.take_arrived()
+        now, held = self.version(), range(len(self.held))
+        stale = [i for i in held if now - self.held[i].model_version > self.max_staleness]
+        current = [i for i in held if self.held[i].group_id == self.group]
+        if stale or current:
+            first = (stale or current)[0]
+        else:
+            signal = {s.group_id for s in self.held if s.advantage != 0}
+            first = max(held, key=lambda i: (self.held[i].group_id in signal, self.held[i].model_version))  # ties: 1st
+            self.group = self.held[first].group_id
+        return self.held.pop(first)  # by index: a sample's numpy fields make == between samples ambiguous
+
+    def arrive(self, sample: Any) -> None:
+        group, size = sample.group_id, sample.metrics.pop(GROUP_SAMPLES, 1)
+        left = self.missing.get(group, size) - 1
+        if left > 0:
+            self.missing[group] = left
+        else:
+            self.missing.pop(group, None)
+        self.held.append(sample)
+
+    def take_arrived(self) -> None:
+        try:
+            while True:
+                self.arrive(super().get(block=False))
+        except queue.Empty:
+            pass
+
+    def qsize(self) -> int:
+        return len(self.held) + super().qsize()
 
 
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
@@ -2925,7 +2989,8 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
         super().__init__(*a, **kw)
         if self.rollout_worker is not None:  # TRL's eos ids (tokenizer's + model's); it sets them only on its own
             self.rollout_worker._loop_kwargs["eos_token_ids"] = self.eos_token_ids  # private: see start()
-            self.rollout_queue = ChildQueue(self.rollout_worker.rollout_buffer)  # TRL's dataset reads it
+            self.rollout_queue = FreshestGroupFirst(self.rollout_worker.rollout_buffer,  # TRL's dataset reads it
+                                                    lambda: self.model_version, self.args.max_staleness)
         model = self.accelerator.unwrap_model(self.model)
         if is_peft_model(model):
             # TRL's merged push calls PEFT's merge_adapter and unmerge_adapter: in bfloat16 the in-place round trip is
