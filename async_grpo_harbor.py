@@ -3,17 +3,12 @@
 # dependencies = [
 #     "trl==1.16.0",
 #     "peft==0.21.2",  # --use-peft
-#     # TRL's tree attention loads its CUDA kernel with it (trl[kernels] also pins it, via transformers' extra)
-#     "kernels>=0.17.2,<0.19",
+#     "kernels>=0.17.2,<0.19",  # TRL's tree attention loads its CUDA kernel with it
 #     "openenv[harbor]==0.10.0",
-#     # Exact: openenv[harbor] asks only harbor>=0.22.0, and Harbor decides how sandboxes start and harnesses install.
-#     # The version the tests' Harbor server runs (tests/requirements-server.txt; tests/envs.sh leaves it out of the
-#     # trainer's environment, Python 3.11, as Harbor needs 3.12).
+#     # Exact: Harbor decides how sandboxes start and harnesses install (openenv[harbor] asks only >=0.22.0).
 #     "harbor==0.25.0",
 #     "vllm==0.29.0",
-#     # Exact: the script relies on private names of these and of TRL (each has a `# private:` reason beside it;
-#     # tests/test_private_names.py checks them against these pins). vllm 0.29.0 pins this torch. tests/envs.sh
-#     # installs every exact pin of this list, vllm aside, into the test environment (tests/test_packaging.py).
+#     # Exact: the script uses private names of these and of TRL (tests/test_private_names.py checks them).
 #     "transformers==5.24.0",
 #     "accelerate==1.15.0",
 #     "torch==2.13.0",
@@ -29,32 +24,29 @@ scores the workspace. This script turns each rollout into a GRPO sample and trai
 
 Run it (README.md walks through it):
 
-    # one GPU (80 GB: LoRA). 1. the policy server, bound to this host (the ipc backend unpickles what it is sent), on
-    #    0.40 of the GPU: the trainer gets the rest (the preflight's `trainer memory` row checks that it fits)
+    # one GPU (80 GB: LoRA). 1. vLLM on 0.40 of it, bound to this host (its ipc backend unpickles what it is sent)
     VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 \
         --host 127.0.0.1 --port 8000 --gpu-memory-utilization 0.40 --max-model-len 32768 \
         --enable-auto-tool-choice --tool-call-parser hermes \
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"ipc"}'
 
-    # 2. check everything with one paid rollout, then train (its own Harbor server on 127.0.0.1, stopped at exit);
-    #    the merged model lands in <output dir>/merged
+    # 2. check everything with one paid rollout, then train; the merged model lands in <output dir>/merged
     E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
         --vllm-url http://127.0.0.1:8000 --use-peft --lora-target-modules all-linear --check --probe-rollout
     E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py --model Qwen/Qwen3-4B-Instruct-2507 \
         --vllm-url http://127.0.0.1:8000 --use-peft --lora-target-modules all-linear
 
-    # two GPUs: the policy server on GPU 0 (its dev-mode routes drive it), weights pushed over NCCL ...
+    # two GPUs: vLLM on GPU 0, weights pushed over NCCL ...
     CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-4B-Instruct-2507 --host 127.0.0.1 \
         --port 8000 --max-model-len 32768 --enable-auto-tool-choice --tool-call-parser hermes \
         --logprobs-mode processed_logprobs --return-tokens-as-token-ids \
         --weight-transfer-config '{"backend":"nccl"}'
-    # ... and the trainer on GPU 1 (never vLLM's)
+    # ... and the trainer on GPU 1
     CUDA_VISIBLE_DEVICES=1 E2B_API_KEY=... HF_TOKEN=... uv run async_grpo_harbor.py \
         --model Qwen/Qwen3-4B-Instruct-2507 --vllm-url http://127.0.0.1:8000
 
-    # preemptible (SLURM requeue): one command for the first launch and every requeue; SIGTERM / SIGUSR1 save a
-    # checkpoint and exit 75 (`--resume` alone: the latest checkpoint of --run-name / --output-dir)
+    # preemptible: one command for the first launch and every requeue; SIGTERM / SIGUSR1 checkpoint and exit 75
     uv run async_grpo_harbor.py ... --run-name my-run --resume auto
 
 The sections below, in the order data flows (search for `# --- <name>`):
@@ -115,8 +107,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
-# The script is written against trl==1.16.0's experimental AsyncGRPO (pinned above); TRL's two-line warning about that
-# API would otherwise open every refusal and the rollout child's log.
+# Pinned TRL: its warning about the experimental API would otherwise open every refusal and the rollout child's log.
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 # AsyncGRPOConfig's own default (gradient_checkpointing=True) draws transformers' rename warning on every command.
 warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
@@ -149,8 +140,7 @@ DEFAULT_DATASET = "AdithyaSK/data_agent_rl_environment_train"
 DEFAULT_TASKS = f"@{Path(__file__).with_name('tasks.txt')}"
 # EX_TEMPFAIL: "stopped on request, a checkpoint holds everything; relaunch me". SLURM wrappers requeue on it.
 REQUEUE_EXIT_CODE = 75
-# --use-peft's default learning rate: a LoRA update moves the weights through a rank-r product, so it trains at about
-# ten times a full fine-tune's rate (Schulman et al., "LoRA Without Regret", 2025: RL included).
+# --use-peft's default learning rate: LoRA trains at ~10x a full fine-tune's ("LoRA Without Regret", 2025).
 LORA_LEARNING_RATE = 1e-5
 
 
