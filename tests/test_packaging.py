@@ -188,7 +188,7 @@ def test_every_docs_page_a_flags_help_names_exists():
     script = load_script()
     flags_md = (ROOT / "docs" / "flags.md").read_text()
     headings = set(re.findall(r"^#+ `(--[\w-]+)", flags_md, re.M))
-    fields = [f for cls in (script.ScriptArguments, script.HarborGRPOConfig, script.LoraArguments)
+    fields = [f for cls in (script.ScriptArguments, script.HarborGRPOConfig)
               for f in dataclasses.fields(cls) if f.init and f.name in cls.__annotations__]
     pointing = set()
     for f in fields:
