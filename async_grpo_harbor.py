@@ -295,8 +295,7 @@ class Parser(TrlParser):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    # TrlParser reads a recipe only as the two words `--config PATH`.
-    argv = [part for arg in (sys.argv[1:] if argv is None else argv)
+    argv = [part for arg in (sys.argv[1:] if argv is None else argv)  # TrlParser reads only `--config PATH`
             for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
     parser = Parser()
     recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
@@ -348,13 +347,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.harnesses = [name.strip() for name in args.harness.split(",") if name.strip()]
     if not args.harnesses:
         raise UsageError("--harness is empty; name one, e.g. mini-swe-agent, or several: mini-swe-agent,terminus-2")
-    try:
-        low, high = (float(x) for x in args.band.split(","))
-    except ValueError:
-        low = high = math.nan  # refused below
-    if not 0 <= low <= high <= 1:
+    band = re.fullmatch(r"(\d*\.?\d+),(\d*\.?\d+)", args.band)
+    if not (band and 0 <= float(band[1]) <= float(band[2]) <= 1):
         raise UsageError(f"--band {args.band}: give two pass rates LOW,HIGH, 0 <= LOW <= HIGH <= 1, e.g. 0.1,0.9")
-    args.band = low, high
+    args.band = float(band[1]), float(band[2])
     if args.max_inflight < args.num_generations and not args.measure:  # a group is scored once all its rollouts end
         raise UsageError(f"--max-inflight ({args.max_inflight}) must be >= --num-generations ({args.num_generations})")
     if not args.temperature > 0:
