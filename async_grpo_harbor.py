@@ -157,7 +157,7 @@ LORA_LEARNING_RATE = 1e-5
 # --- Arguments --------------------------------------------------------------------------------------------------------
 # One TrlParser over the script's flags and AsyncGRPOConfig with the script's defaults.
 def arg(default: Any, help: str, shown: str | None = None, **argparse_kwargs: Any) -> Any:
-    """A field as TrlParser reads it; shown: the default --help names where the value would say nothing."""
+    """A field as TrlParser reads it; shown: the default --help prints where the value is empty or this host's."""
     if shown is not None:  # argparse appends its own "(default: X)" unless the help names %(default)
         help = f"{help} (default: {shown})%(default).0s"
     return field(default=default, metadata={"help": help, **argparse_kwargs})
