@@ -140,6 +140,13 @@ def test_help_documents_every_flag():
         assert flag in flags, flag
 
 
+def test_help_lists_every_trl_field_and_none_the_script_sets():
+    """As in TRL's scripts, every AsyncGRPOConfig field is a flag --help lists; a field the script sets is none."""
+    flags = set(help_entries())
+    assert {"--epsilon-high", "--lr-scheduler-type", "--seed", "--lora-r"} <= flags
+    assert not {"--top-p", "--gradient-accumulation-steps", "--eval-strategy", "--logging-steps"} & flags
+
+
 def shell_commands(text: str) -> list[str]:
     """Each command line of `text`, its backslash continuations joined and its whitespace collapsed; comments out."""
     joined = re.sub(r"\\\n\s*", " ", text)
