@@ -239,7 +239,7 @@ class HarborGRPOConfig(AsyncGRPOConfig):
     resume_from_checkpoint: str | None = field(default=None, init=False, metadata={"help": "from --resume"})
     eval_strategy: str = field(default="no", init=False,
                                metadata={"help": "to no; held-out evals: --eval-tasks SPEC --eval-steps N --eval-k K"})
-    # bf16 autocast exists only on GPUs; without CUDA, ranks join over gloo, which accelerate needs told.
+    # bf16 autocast only on GPUs (elsewhere it scores at another precision than vLLM); CPU ranks need use_cpu.
     bf16: bool | None = field(default=None, init=False, metadata={"help": "from the hardware"})
     use_cpu: bool = field(default=False, init=False, metadata={"help": "from the hardware"})
     # The capture proxy refuses sampling filters: a loop-owning harness trains the full-vocabulary policy.
