@@ -145,12 +145,10 @@ LORA_LEARNING_RATE = 1e-5
 
 
 # --- Arguments --------------------------------------------------------------------------------------------------------
-# TRL's TrlParser over ScriptArguments (this script's flags), HarborGRPOConfig (AsyncGRPOConfig with this script's
-# defaults) and LoraArguments: --help, --config recipes and every TRL field as a flag come from their fields.
+# One TrlParser over the script's flags and AsyncGRPOConfig with the script's defaults.
 def arg(default: Any, help: str, shown: str | None = None, **argparse_kwargs: Any) -> Any:
-    """A field as TrlParser reads it. shown: what a default that names nothing ("", None) means, for --help."""
-    if shown is not None:
-        # ArgumentDefaultsHelpFormatter appends "(default: X)" unless the help names %(default); `.0s` prints nothing.
+    """A field as TrlParser reads it; shown: the default --help prints where the value is empty or this host's."""
+    if shown is not None:  # argparse appends its own "(default: X)" unless the help names %(default)
         help = f"{help} (default: {shown})%(default).0s"
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
@@ -158,48 +156,50 @@ def arg(default: Any, help: str, shown: str | None = None, **argparse_kwargs: An
 @dataclass
 class ScriptArguments:
     model: str = arg("Qwen/Qwen3-4B-Instruct-2507", "Model to train (hub id or local dir): the one vLLM serves.")
-    harbor_url: str = arg("", "Base URL of a running `openenv harbor serve` (docs/harbor-server.md).",
-                          shown="none: this script starts its own on 127.0.0.1 and stops it when it exits")
+    harbor_url: str = arg("", "A running `openenv harbor serve` (docs/harbor-server.md).", shown="the script's own")
     harbor_retry_window: float = arg(300.0, "Seconds the Harbor server may stay unreachable before the run stops.")
-    harbor_command: str = arg(shlex.join([sys.executable, "-m", "openenv.cli", "harbor", "serve"]), "Without "
-                              "--harbor-url: the command that runs `openenv harbor serve` (docs/flags.md).",
+    harbor_command: str = arg(shlex.join([sys.executable, "-m", "openenv.cli", "harbor", "serve"]),
+                              "Without --harbor-url: the command that serves Harbor (docs/flags.md).",
                               shown="this interpreter's `-m openenv.cli harbor serve`")
-    harbor_expose: str = arg("auto", "Without --harbor-url: how the harness reaches the capture proxy "
-                                     "(docs/flags.md).", choices=["auto", "direct", "cloudflare", "gradio"])
+    harbor_expose: str = arg("auto", "Without --harbor-url: how the harness reaches the capture proxy (docs/flags.md).",
+                             choices=["auto", "direct", "cloudflare", "gradio"])
     dataset: str = arg(DEFAULT_DATASET, "Harbor dataset: HF repo, dir or name@version (docs/flags.md).")
-    split: str = arg("", "Server split name, when it differs from --dataset.",
-                     shown="the split named like --dataset; for the default dataset, the server's only split")
-    tasks: str = arg(DEFAULT_TASKS, "Tasks to train on, cycled in this order: indices, ranges and names "
-                                    "(`0-49,57,hello-world`), or `@file`, one per line.",
-                     shown="the tasks.txt beside this script, for the default dataset")
+    split: str = arg("", "Server split name, when it differs from --dataset.", shown="the one named like --dataset")
+    tasks: str = arg(DEFAULT_TASKS, "Tasks, in order: `0-49,57,name` or `@file`.", shown="tasks.txt beside the script")
     harness: str = arg("mini-swe-agent", "Agent harness the server runs in the sandbox; `a,b` rotates them per group.")
     sandbox: str = arg("e2b", "Harbor environment per rollout; its credentials (E2B_API_KEY) set on the server.")
-    reward_key: str = arg("", "The reward key to train on, or a comma-separated preference list.",
-                          shown="the task's `reward`")
+    reward_key: str = arg("", "Reward key to train on, or a comma-separated preference list.", shown="`reward`")
     agent_step_limit: int = arg(30, "Model calls per rollout: a memory guard; 30 turns of ~1k tokens fill 32k.")
     efficiency_weight: float = arg(0.1, "Bonus in [0, 1) for fewer agent turns; 0 disables it (docs/reward.md).")
     max_zero_variance_groups: int = arg(100, "All-equal groups in a row (kept out) that stop training; 0: never.")
     max_consecutive_failures: int = arg(32, "Unscorable rollouts in a row (sandbox, credentials) that stop training.")
-    resume: str | None = arg(None, "Resume: bare, the output dir's latest checkpoint; `auto`, that or a fresh start; "
-                                   "or a checkpoint path.", shown="a fresh start", nargs="?", const="latest")
+    resume: str | None = arg(None, "Bare: the latest checkpoint; `auto`: that or a fresh start; or a checkpoint path.",
+                             nargs="?", const="latest")
     check: bool = arg(False, "Print the preflight table and exit, 0 when nothing FAILs (training runs it first).")
     probe_rollout: bool = arg(False, "With --check: one rollout of the first task, end to end.")
     eval_only: bool = arg(False, "Measure pass rates instead of training: pass_rates.csv (docs/measure.md).")
     eval_k: int = arg(8, "Rollouts per task for --eval-only and --eval-tasks.")
-    eval_tasks: str = arg("", "Held-out tasks (--tasks syntax) measured before training, every --eval-steps and "
-                              "after the last step (docs/measure.md).", shown="none")
+    eval_tasks: str = arg("", "Held-out tasks (--tasks syntax) measured every --eval-steps.", shown="none")
     allow_engine_mismatch: bool = arg(False, "Train although the Harbor server names another engine than --vllm-url.")
     curate: str | None = arg(None, "Write a --tasks file of the tasks inside --band in PASS_RATES_CSV; bare: measure "
-                                   "first.", shown="off", nargs="?", const="", metavar="PASS_RATES_CSV")
+                                   "first.", nargs="?", const="", metavar="PASS_RATES_CSV")
     band: str = arg("0.1,0.9", "LOW,HIGH: the pass rates --curate keeps, inclusive.")
     curated_tasks: str = arg("", "Where --curate writes the task file.", shown="<output dir>/curated_tasks.txt")
+    # TRL's ModelConfig LoRA fields (ModelConfig itself would add a second --dtype)
+    use_peft: bool = arg(False, "LoRA adapters on a frozen base, pushed merged (docs/flags.md).")
+    lora_r: int = arg(16, "LoRA R value.")
+    lora_alpha: int = arg(32, "LoRA alpha.")
+    lora_dropout: float = arg(0.05, "LoRA dropout.")
+    lora_target_modules: list[str] | None = arg(None, "LoRA target modules; all-linear: every linear layer.",
+                                                shown="PEFT's for the architecture", nargs="+")
+    use_rslora: bool = arg(False, "Rank-Stabilized LoRA: scale the adapter by lora_alpha/√r, not lora_alpha/r.")
 
 
 @dataclass
 class HarborGRPOConfig(AsyncGRPOConfig):
     vllm_url: str = arg("http://localhost:8000", "Base URL of `vllm serve` (no /v1), where weights are pushed.")
-    dtype: str = arg("float32", "The trainer's weights and AdamW state; bfloat16 saves memory but rounds small "
-                                "updates away (docs/flags.md).", choices=["float32", "bfloat16", "float16", "auto"])
+    dtype: str = arg("float32", "The trainer's weights and AdamW state (docs/flags.md).",
+                     choices=["float32", "bfloat16", "float16", "auto"])
     agent_timeout: float = arg(600.0, "Seconds the agent may run per rollout; 0: the task's own timeout.")
     num_generations: int = arg(8, "Rollouts per task per group (>= 2); advantages compare them.")
     micro_batches_per_step: int = arg(4, "Micro-batches per optimizer step, each packed up to vLLM's max_model_len.")
@@ -208,34 +208,31 @@ class HarborGRPOConfig(AsyncGRPOConfig):
     delta: float = arg(3.0, "Dual clip: a token whose importance ratio exceeds it adds no gradient (docs/flags.md).")
     temperature: float = arg(1.0, "Sampling temperature the proxy enforces on every agent call (> 0).")
     max_completion_length: int = arg(1024, "Tokens per agent turn, capped by the server (docs/harbor-server.md).")
-    learning_rate: float = arg(1e-6, f"AdamW learning rate, constant; {LORA_LEARNING_RATE:g} with --use-peft "
-                                     "(docs/flags.md).")
+    learning_rate: float = arg(1e-6, f"AdamW learning rate, constant; {LORA_LEARNING_RATE:g} with --use-peft.")
     max_steps: int = arg(500, "Optimizer steps to train; the run's only stop condition.")
-    eval_steps: float | None = arg(50, "Steps between held-out evals; below 1: that fraction of --max-steps; 0: "
-                                       "before training and after the last step only.")
+    eval_steps: float | None = arg(50, "Steps between held-out evals; below 1: a fraction of --max-steps; 0: only "
+                                       "before training and after the last step.")
     output_dir: str = arg("", "Checkpoints and logs.", shown="runs/<run name>")
-    run_name: str = arg("", "The run's name in the tracker and its output dir's.",
-                        shown="the --output-dir's name, else <model>-<harness>-<sandbox>-<SLURM job id or UTC time>")
+    run_name: str = arg("", "The run's name in the tracker.", shown="--output-dir's, else model-harness-sandbox-time")
     project: str = arg("async-grpo-harbor", "trackio project, so runs on one suite compare side by side.")
     report_to: str = arg("trackio", "Where metrics go: trackio (local, no account), none, or any HF integration.")
     save_steps: int = arg(50, "Optimizer steps between checkpoints: what a crash or preemption can lose.")
     save_total_limit: int | None = arg(2, "Checkpoints kept, the oldest deleted after a newer one; 0 keeps all.")
-    # Set in __post_init__ (or TRL's default kept), as their help says; naming one is refused with it.
+    # The script sets these: not flags; naming one is refused with its help.
     gradient_accumulation_steps: int = field(default=1, init=False, metadata={"help": "from --micro-batches-per-step"})
     max_inflight_tasks: int = field(default=1, init=False, metadata={"help": "from --max-inflight"})
     vllm_server_base_url: str = field(default="", init=False, metadata={"help": "from --vllm-url"})
-    request_timeout: int = field(default=0, init=False, metadata={"help": "from --agent-timeout (+ 30 min)"})
-    ddp_timeout: int = field(default=0, init=False, metadata={"help": "from --num-generations x --agent-timeout"})
+    request_timeout: int = field(default=0, init=False, metadata={"help": "from --agent-timeout"})
+    ddp_timeout: int = field(default=0, init=False, metadata={"help": "from --agent-timeout"})
     save_strategy: str = field(default="steps", init=False, metadata={"help": "from --save-steps"})
     logging_steps: float = field(default=1, init=False, metadata={"help": "to 1: a line per step"})
     resume_from_checkpoint: str | None = field(default=None, init=False, metadata={"help": "from --resume"})
-    eval_strategy: str = field(default="no", init=False, metadata={"help": "to no: AsyncGRPOTrainer takes no eval "
-                               "dataset; measure held-out tasks with --eval-tasks SPEC --eval-steps N --eval-k K"})
-    # bf16 autocast exists only on GPUs; elsewhere it would score at another precision than the engine. Without CUDA,
-    # ranks join over gloo; accelerate only runs several processes on CPU when told.
-    bf16: bool | None = field(default=None, init=False, metadata={"help": "from the hardware (bf16 autocast on GPUs)"})
-    use_cpu: bool = field(default=False, init=False, metadata={"help": "from the hardware (CPU without CUDA)"})
-    # A loop-owning harness trains the full-vocabulary policy at --temperature: the capture proxy refuses filters.
+    eval_strategy: str = field(default="no", init=False,
+                               metadata={"help": "to no; held-out evals: --eval-tasks SPEC --eval-steps N --eval-k K"})
+    # bf16 autocast only on GPUs (elsewhere it scores at another precision than vLLM); CPU ranks need use_cpu.
+    bf16: bool | None = field(default=None, init=False, metadata={"help": "from the hardware"})
+    use_cpu: bool = field(default=False, init=False, metadata={"help": "from the hardware"})
+    # The capture proxy refuses sampling filters: a loop-owning harness trains the full-vocabulary policy.
     top_p: float = field(default=1.0, init=False, metadata={"help": "to 1.0: the full vocabulary"})
     top_k: int = field(default=0, init=False, metadata={"help": "to 0: the full vocabulary"})
     min_p: float | None = field(default=None, init=False, metadata={"help": "to None: the full vocabulary"})
@@ -247,144 +244,107 @@ class HarborGRPOConfig(AsyncGRPOConfig):
         self.gradient_accumulation_steps, self.max_inflight_tasks = self.micro_batches_per_step, self.max_inflight
         self.vllm_server_base_url, self.bf16, self.use_cpu = self.vllm_url, cuda, not cuda
         self.request_timeout = int(rollout_budget_s(self.agent_timeout))
-        # Ranks >= 1 wait in a collective while rank 0 collects a whole group (NCCL's default is 10 min). transformers
-        # sets ddp_timeout on GPUs only (CPU ranks get 30 min): accelerate's state sets it first, on both.
+        # Ranks >= 1 wait in a collective while rank 0 collects a group; accelerate's state sets this on CPU too.
         self.ddp_timeout = int(self.num_generations * rollout_budget_s(self.agent_timeout))
         PartialState(cpu=not cuda, timeout=timedelta(seconds=self.ddp_timeout))
         self.save_total_limit = self.save_total_limit or None  # the script's 0 (keep all) is TRL's None
         super().__post_init__()
 
 
-@dataclass
-class LoraArguments:  # TRL's ModelConfig LoRA fields (ModelConfig's --dtype would clash with the config's)
-    use_peft: bool = arg(False, "LoRA adapters on a frozen base, pushed merged: serve vLLM without --enable-lora "
-                                "(docs/flags.md).")
-    lora_r: int = arg(16, "LoRA R value.")
-    lora_alpha: int = arg(32, "LoRA alpha.")
-    lora_dropout: float = arg(0.05, "LoRA dropout.")
-    lora_target_modules: list[str] | None = arg(None, "LoRA target modules; all-linear: every linear layer but the "
-                                                      "head.", shown="PEFT's for the architecture", nargs="+")
-    use_rslora: bool = arg(False, "Rank-Stabilized LoRA: scale the adapter by lora_alpha/√r, not lora_alpha/r.")
-
-
 class UsageError(Exception):
-    """Bad input or an unusable setup: reported as one line, exit code 2."""
+    """Bad input or an unusable setup: one `error:` line, exit code 2."""
 
 
-class TrainingStopped(ValueError):
-    """A stop this script decides, one line for the user (`error: training stopped: ...`, exit 1). A ValueError: the
-    one kind TRL's harness loop lets out of a rollout, which ends TRL's rollout child and reaches the trainer."""
+class TrainingStopped(ValueError):  # a ValueError: the one kind TRL's harness loop lets out of a rollout
+    """A stop this script decides: `error: training stopped: ...`, exit code 1."""
 
 
 class RolloutsFailing(TrainingStopped):
-    """--max-consecutive-failures unscorable rollouts in a row, or the Harbor server gone past --harbor-retry-window."""
+    """Unscorable rollouts in a row, or the Harbor server gone past --harbor-retry-window."""
 
 
 class NoSignal(TrainingStopped):
-    """--max-zero-variance-groups groups in a row scored all their rollouts alike: no advantage is left to learn."""
+    """Groups in a row that scored all their rollouts alike: no advantage is left to learn."""
 
 
 def stop_from_child(exc: RuntimeError) -> TrainingStopped | None:
-    """The TrainingStopped the rollout child raised, rebuilt in the trainer: TRL's failure channel carries only the
-    type's name and message, as the text of the RuntimeError its check_health raises from ("Name: message\n")."""
+    """The TrainingStopped the rollout child raised: TRL's check_health passes on only its "Name: message"."""
     name, _, message = str(exc.__cause__ or "").partition(": ")
     kind = {kind.__name__: kind for kind in (RolloutsFailing, NoSignal)}.get(name)
     return None if kind is None else kind(" ".join(message.split()))
 
 
-# What --help lists; --help-all adds every other AsyncGRPOConfig field.
-OWN_FLAGS = {f.name for c in (ScriptArguments, LoraArguments) for f in dataclasses.fields(c)} | {
-    *HarborGRPOConfig.__annotations__, "help", "help_all", "config"}
-
-
 class Parser(TrlParser):
-    def __init__(self, help_all: bool = False):
-        self.help_all = help_all
-        super().__init__((ScriptArguments, HarborGRPOConfig, LoraArguments), allow_abbrev=False,  # --mod: not --model
-                         usage="%(prog)s [--config RECIPE_YAML] [--flag VALUE ...]",
-                         description="Recipes, and what a help line cannot hold: docs/flags.md.")
-        self.add_argument("--config", metavar="RECIPE_YAML", help="YAML of flags and AsyncGRPOConfig fields by their "
-                          "underscored names, as in TRL's scripts; the command line overrides it.")
-        self.add_argument("--help-all", action="help", help="Print this help and every other AsyncGRPOConfig field.")
+    def __init__(self):
+        super().__init__((ScriptArguments, HarborGRPOConfig), allow_abbrev=False,  # --mod: not --model
+                         usage="%(prog)s [--config RECIPE_YAML] [--flag VALUE ...]", description="See docs/flags.md.")
+        self.add_argument("--config", metavar="RECIPE_YAML", help="YAML of flags; the command line overrides it.")
 
-    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:  # HfArgumentParser adds each field here
-        if not (self.help_all or kwargs.get("dest", names[-1].lstrip("-").replace("-", "_")) in OWN_FLAGS):
-            kwargs["help"] = argparse.SUPPRESS
-        return super().add_argument(*names, **kwargs)
-
-    def error(self, message: str):  # argparse's usage block and its error line: one `error:` line instead
+    def error(self, message: str):  # one `error:` line, not argparse's usage block
         raise UsageError(message)
 
 
-# The counts a run cannot go below.
-FLOORS = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1, "max_steps": 1,
-          "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1, "save_total_limit": 0,
-          "eval_k": 1, "max_staleness": 0, "agent_timeout": 0, "harbor_retry_window": 0, "max_zero_variance_groups": 0,
-          "eval_steps": 0, "lora_r": 1}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
-    parser = Parser(help_all="--help-all" in argv)
+    argv = [part for arg in (sys.argv[1:] if argv is None else argv)  # TrlParser reads only `--config PATH`
+            for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+    parser = Parser()
     recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
     typed = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
     defaults = vars(parser.parse_known_args([])[0])
+    own = {f.name for f in dataclasses.fields(ScriptArguments)} | {*HarborGRPOConfig.__annotations__, "config"}
 
-    def given() -> set[str]:  # the fields the command line or the recipe set (TrlParser makes a recipe the defaults)
+    def set_by_user() -> set[str]:  # fields the command line or the recipe set (TrlParser makes a recipe the defaults)
         now = vars(parser.parse_known_args([])[0])
         return {name for name in now if now[name] != defaults[name] or name in typed or f"no_{name}" in typed}
 
     try:
-        script, config, lora, _, unknown_keys, unknown = parser.parse_args_and_config(
+        script, config, _, unknown_keys, unknown = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True)
     except (OSError, yaml.YAMLError) as exc:
         raise UsageError(f"--config {recipe}: {' '.join(str(exc).split())}") from None
     except ValueError as exc:  # TRL's and transformers' own checks, as the config is built (a scheduler's name)
-        flags = ", ".join(f"--{name.replace('_', '-')}" for name in sorted(given() - OWN_FLAGS)) or "none"
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in sorted(set_by_user() - own)) or "none"
         raise UsageError(f"AsyncGRPOConfig could not be built (TRL flags given: {flags}): "
                          f"{' '.join(str(exc).split())}") from None
-    for name, given_as in ([(key, f"--config {recipe}: unknown key(s)") for key in unknown_keys[::2]]
-                           + [(arg, "unrecognized arguments:") for arg in unknown[:1]]):
-        decided = HarborGRPOConfig.__dataclass_fields__.get(name.split("=")[0].lstrip("-").replace("-", "_"))
-        why = (f"; this script sets it {decided.metadata['help']}" if decided and not decided.init
-               else ": no flag nor field (--help-all lists every flag)")
-        what = " ".join(unknown) if given_as.startswith("unrecognized") else name.removeprefix("--")
-        raise UsageError(f"{given_as} {what}{why}")
-    # One namespace: the script's flags, HarborGRPOConfig's own fields, the config the trainer gets, and the other
-    # AsyncGRPOConfig fields the user set (for the hyper-parameter table).
-    args = argparse.Namespace(**vars(script), **vars(lora),
+    wrong = [key.removeprefix("--") for key in unknown_keys[::2]] or unknown
+    if wrong:
+        decided = HarborGRPOConfig.__dataclass_fields__.get(wrong[0].split("=")[0].lstrip("-").replace("-", "_"))
+        fix = f"this script sets it {decided.metadata['help']}" if decided and not decided.init else "see --help"
+        where = f"--config {recipe}: unknown key(s)" if unknown_keys else "unrecognized arguments:"
+        raise UsageError(f"{where} {' '.join(wrong)}; {fix}")
+    given = set_by_user()
+    args = argparse.Namespace(**vars(script),
                               **{name: getattr(config, name) for name in HarborGRPOConfig.__annotations__},
-                              config=config, trl={name: getattr(config, name) for name in sorted(given() - OWN_FLAGS)})
-    for name, low in FLOORS.items():
+                              config=config, trl={name: getattr(config, name) for name in sorted(given - own)})
+    floors = {"num_generations": 2, "micro_batches_per_step": 1, "max_inflight": 1, "agent_step_limit": 1,
+              "max_steps": 1, "save_steps": 1, "max_consecutive_failures": 1, "max_completion_length": 1,
+              "save_total_limit": 0, "eval_k": 1, "max_staleness": 0, "agent_timeout": 0, "harbor_retry_window": 0,
+              "max_zero_variance_groups": 0, "eval_steps": 0, "lora_r": 1}
+    for name, low in floors.items():
         if (getattr(args, name) or 0) < low:  # save_total_limit None is TRL's `none`: keep all, as 0
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(args, name)})")
-    if args.use_peft and "dtype" not in given():
+    if args.use_peft and "dtype" not in given:
         args.dtype = config.dtype = "bfloat16"  # LoRA freezes the base: float32 copies of it would only cost memory
-    if args.use_peft and "learning_rate" not in given():
+    if args.use_peft and "learning_rate" not in given:
         args.learning_rate = config.learning_rate = LORA_LEARNING_RATE
     args.measure = args.eval_only or args.curate == ""
     args.eval_steps = args.eval_steps or 0
     if args.eval_steps > 1 and args.eval_steps != int(args.eval_steps):
         raise UsageError(f"--eval-steps {args.eval_steps:g}: give a whole number of steps, or a fraction of "
-                         "--max-steps below 1 (0.1: every tenth of the run)")
+                         "--max-steps below 1")
     # transformers' reading of a fraction: of the run's steps, rounded up (TrainerState.compute_steps).
     args.eval_steps = math.ceil(args.max_steps * args.eval_steps) if args.eval_steps < 1 else int(args.eval_steps)
     args.harnesses = [name.strip() for name in args.harness.split(",") if name.strip()]
     if not args.harnesses:
         raise UsageError("--harness is empty; name one, e.g. mini-swe-agent, or several: mini-swe-agent,terminus-2")
-    try:
-        low, high = (float(x) for x in args.band.split(","))
-    except ValueError:
-        low = high = math.nan  # refused below
-    if not 0 <= low <= high <= 1:
+    band = re.fullmatch(r"(\d*\.?\d+),(\d*\.?\d+)", args.band)
+    if not (band and 0 <= float(band[1]) <= float(band[2]) <= 1):
         raise UsageError(f"--band {args.band}: give two pass rates LOW,HIGH, 0 <= LOW <= HIGH <= 1, e.g. 0.1,0.9")
-    args.band = low, high
-    if args.max_inflight < args.num_generations and not args.measure:
-        raise UsageError(f"--max-inflight ({args.max_inflight}) must be >= --num-generations "
-                         f"({args.num_generations}): a group is only scored once all its rollouts finished")
+    args.band = float(band[1]), float(band[2])
+    if args.max_inflight < args.num_generations and not args.measure:  # a group is scored once all its rollouts end
+        raise UsageError(f"--max-inflight ({args.max_inflight}) must be >= --num-generations ({args.num_generations})")
     if not args.temperature > 0:
-        raise UsageError(f"--temperature must be > 0 (got {args.temperature}): the proxy enforces it on every call")
+        raise UsageError(f"--temperature must be > 0 (got {args.temperature})")
     clip = 1 + (config.epsilon_high if config.epsilon_high is not None else config.epsilon)
     if args.delta and not args.delta > clip or args.delta < 0:
         raise UsageError(f"--delta must be above 1 + --epsilon-high ({clip:g}), or 0 (got {args.delta:g})")
@@ -407,14 +367,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def peft_config(args: argparse.Namespace):
-    """The LoraConfig of --use-peft, by TRL's own ModelConfig -> get_peft_config; None without it."""
+    """--use-peft's LoraConfig, by TRL's ModelConfig -> get_peft_config; None without it."""
     if not args.use_peft:
         return None
-    lora = {f.name: getattr(args, f.name) for f in dataclasses.fields(LoraArguments)}
-    config = get_peft_config(ModelConfig(model_name_or_path=args.model, **lora))
+    config = get_peft_config(ModelConfig(model_name_or_path=args.model, use_peft=True, lora_r=args.lora_r,
+                                         lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                         lora_target_modules=args.lora_target_modules, use_rslora=args.use_rslora))
     if args.lora_target_modules and args.lora_target_modules != ["all-linear"]:
-        # ModelConfig turns a list of one name into a string, which PEFT matches as a regex against whole module paths
-        # (`q_proj` would match none); names in a list it matches by suffix.
+        # ModelConfig turns one name into a string, which PEFT matches as a regex on whole module paths.
         config.target_modules = set(args.lora_target_modules)
     return config
 
@@ -434,8 +394,7 @@ def redact(text: str) -> str:
     for name, value in os.environ.items():
         if len(value) >= 6 and re.search(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", name, re.I):
             text = text.replace(value, f"<{name}>")
-    # Shapes of our users' credentials (HF, OpenAI-style, E2B) in text from the Harbor server, whose environment we
-    # cannot see.
+    # HF, OpenAI-style and E2B token shapes, in the Harbor server's text (its environment is not ours).
     return re.sub(r"\b(hf_|sk-|e2b_)[A-Za-z0-9_-]{8,}", lambda m: f"{m[1]}<redacted>", text)
 
 

@@ -140,6 +140,13 @@ def test_help_documents_every_flag():
         assert flag in flags, flag
 
 
+def test_help_lists_every_trl_field_and_none_the_script_sets():
+    """As in TRL's scripts, every AsyncGRPOConfig field is a flag --help lists; a field the script sets is none."""
+    flags = set(help_entries())
+    assert {"--epsilon-high", "--lr-scheduler-type", "--seed", "--lora-r"} <= flags
+    assert not {"--top-p", "--gradient-accumulation-steps", "--eval-strategy", "--logging-steps"} & flags
+
+
 def shell_commands(text: str) -> list[str]:
     """Each command line of `text`, its backslash continuations joined and its whitespace collapsed; comments out."""
     joined = re.sub(r"\\\n\s*", " ", text)
@@ -188,7 +195,7 @@ def test_every_docs_page_a_flags_help_names_exists():
     script = load_script()
     flags_md = (ROOT / "docs" / "flags.md").read_text()
     headings = set(re.findall(r"^#+ `(--[\w-]+)", flags_md, re.M))
-    fields = [f for cls in (script.ScriptArguments, script.HarborGRPOConfig, script.LoraArguments)
+    fields = [f for cls in (script.ScriptArguments, script.HarborGRPOConfig)
               for f in dataclasses.fields(cls) if f.init and f.name in cls.__annotations__]
     pointing = set()
     for f in fields:
