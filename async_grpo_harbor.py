@@ -1566,11 +1566,9 @@ def check_checkpoints(pf: Preflight) -> None:
     peak = (kept + 1) * each + merged  # the oldest goes once the newest is whole
     free = shutil.disk_usage(args.output_dir).free
     pf.plan["checkpoint_bytes"] = each
-    params = f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count / 1e6:.2f} M"
-    what = ("adapter params x 12 B: float32 adapter" if args.use_peft
-            else f"params x {3 * width} B: {trainer_dtype(args)} weights")
+    what = "float32 adapter" if args.use_peft else f"{trainer_dtype(args)} weights"
     pf.add("checkpoints", WARN if free < peak else PASS,
-           f"~{human_bytes(each)} each ({params} {what} + 2 AdamW moments); {kept} kept + 1 being written"
+           f"~{human_bytes(each)} each ({what} + 2 AdamW moments); {kept} kept + 1 being written"
            f"{' + the merged model' if merged else ''} = {human_bytes(peak)}; {human_bytes(free)} free",
            "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
 
@@ -1611,7 +1609,7 @@ def check_trainer_gpu(pf: Preflight) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not gpus and cuda:
         floor = CUDA_DRIVER_FLOOR.get(int(cuda.split(".")[0]), 0)  # 0: a CUDA major this table does not know
-        driver = (nvidia_smi("--query-gpu=driver_version") or [["none"]])[0][0]
+        driver = (nvidia_smi("--query-gpu=driver_version") or [["none (nvidia-smi fails)"]])[0][0]
         old = not driver.split(".")[0].isdigit() or int(driver.split(".")[0]) < floor
         pf.add("trainer GPU", FAIL, f"{built} is built for CUDA {cuda} but sees no CUDA device ({visible}; NVIDIA "
                f"driver: {driver})", f"install NVIDIA driver >= {floor} (Linux)" if old else
@@ -1624,30 +1622,28 @@ def check_trainer_gpu(pf: Preflight) -> None:
             how = "CUDA IPC cannot push weights from a CPU trainer" if pf.ipc else "NCCL moves GPU memory only"
             where = "on vLLM's GPU" if pf.ipc else "on a GPU of its own"
             pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer ({built}, a CPU build; {visible}): "
-                   f"{how}", f"run this script {where} with the CUDA torch of its header (`uv run`)")
-    elif pf.gpu_apps is None:
-        pf.add("trainer GPU", PASS if pf.ipc else WARN, "cuda:0: nvidia-smi is unavailable, so whether vLLM shares it "
-               "is unknown", "give vLLM and the trainer different GPUs (NCCL refuses two ranks on one device)")
+                   f"{how}", f"run this script {where} with the CUDA torch of its header (`uv run`; NVIDIA driver >= "
+                   f"{CUDA_DRIVER_FLOOR[13]})")
     else:
-        held, busy, mine = [], [], []
+        held, mine = [], []
         for index in range(min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpus)):  # one GPU a local rank
             props = torch.cuda.get_device_properties(index)
             mine.append(label := f"cuda:{index} ({props.name})")
-            others = [a for a in pf.gpu_apps.get(str(props.uuid).lower().removeprefix("gpu-"), [])
-                      if a[0] != os.getpid()]
-            if vllm := [a for a in others if "vllm" in a[1].lower()]:
+            vllm = [a for a in (pf.gpu_apps or {}).get(str(props.uuid).lower().removeprefix("gpu-"), [])
+                    if "vllm" in a[1].lower() and a[0] != os.getpid()]
+            if vllm:
                 held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
-            elif others:
-                busy.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
+        fix = "give vLLM and the trainer different GPUs (CUDA_VISIBLE_DEVICES): NCCL refuses two ranks on one device"
         if pf.ipc:
-            pf.add("trainer GPU", PASS, f"{'; '.join(held + busy) or ', '.join(mine)}: shared with vLLM on purpose "
+            pf.add("trainer GPU", PASS, f"{'; '.join(held) or ', '.join(mine)}: shared with vLLM on purpose "
                    "(the ipc backend pushes weights within one card)")
-        elif held or busy:
-            pf.add("trainer GPU", FAIL if held else WARN, "; ".join(held or busy),
-                   "give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, "
-                   "CUDA_VISIBLE_DEVICES=1 for this script")
+        elif held:
+            pf.add("trainer GPU", FAIL, "; ".join(held), fix)
+        elif pf.gpu_apps is None:
+            pf.add("trainer GPU", WARN, f"{', '.join(mine)}: nvidia-smi is unavailable, so whether vLLM shares it is "
+                   "unknown", fix)
         else:
-            pf.add("trainer GPU", PASS, f"{', '.join(mine)}: no other process on it")
+            pf.add("trainer GPU", PASS, f"{', '.join(mine)}: no vLLM process on it")
 
 
 def check_same_gpu(pf: Preflight) -> None:
