@@ -1157,8 +1157,7 @@ def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
 
 def trainer_peak(shape: TrainerShape, row: int, ranks: int = 1, fsdp: bool = False, backend: str | None = None,
                  served_width: int = 2) -> dict[str, int]:
-    """Peak bytes torch reserves on one trainer GPU in an optimizer step over a `row`-token row, by part; with `backend`
-    ipc, with what vLLM allocates beside its share to load a push."""
+    """Peak bytes torch reserves on one trainer GPU in a step over a `row`-token row, by part (ipc: and vLLM's)."""
     lora, ipc = shape.adapter > 0, backend == "ipc"
     trained, width = (shape.adapter, 4) if lora else (shape.params, shape.width)  # PEFT trains float32 adapters
     shard = ranks if fsdp else 1  # FSDP shards weights, gradients and AdamW state; DDP gives every rank all of them
@@ -1447,8 +1446,7 @@ def check_trainer_ranks(pf: Preflight) -> None:
 
 
 def check_dtype(pf: Preflight) -> None:
-    """vLLM's dtype against the one the trainer scores in: on a GPU bf16 autocast (the config's bf16), elsewhere its
-    weights' dtype. TRL compares weights only."""
+    """vLLM's dtype against the trainer's compute dtype: bf16 autocast on a GPU, else its weights' (TRL's warning)."""
     if pf.vllm_config is None:
         pf.add("dtype", SKIP, "vLLM's dev endpoints are off, so its dtype cannot be read")
         return
@@ -1506,8 +1504,7 @@ def check_context(pf: Preflight) -> None:
 
 
 def check_lora_targets(pf: Preflight) -> None:
-    """No adapter on the weight the input embeddings and output head share: it would change one of the two in
-    training, both in the merged push."""
+    """No adapter on a weight the input embeddings and output head share: the merged push would change both."""
     from peft.tuners.lora import LoraLayer
 
     if model_shape_error(pf.args) is not None:
@@ -1538,8 +1535,7 @@ def check_precision(pf: Preflight) -> None:
         pf.add("precision", FAIL, "--use-peft under FSDP: the merged push cannot read sharded adapters",
                "train LoRA on one trainer process (docs/capacity.md, LoRA), or without FSDP")
     elif dtype in ("bfloat16", "float16", "float32"):
-        # An AdamW step moves a weight by ~the learning rate: below half the spacing at a typical weight (0.02,
-        # Qwen3's initializer range) it rounds back to the old weight. PEFT's adapters are float32.
+        # An AdamW step moves a weight by ~lr: below half the spacing at |w| 0.02 (Qwen3's init range) it rounds away
         trained = "float32" if args.use_peft else dtype
         half_step = 2.0 ** math.floor(math.log2(0.02)) * torch.finfo(getattr(torch, trained)).eps / 2
         what = f"LoRA: float32 adapters on a frozen {dtype} base" if args.use_peft else f"{dtype} weights"
@@ -1558,8 +1554,7 @@ def check_checkpoints(pf: Preflight) -> None:
         return
     if not pf.writable or shape is None:  # the output dir's row, or a --lora-target-modules without a shape to size
         return
-    # transformers saves the trained tensors with AdamW's two moments; a LoRA run its float32 adapter, and the
-    # merged model once at the end.
+    # transformers saves the trained tensors (LoRA: the float32 adapter) with AdamW's two moments at their width
     count, width = (shape.adapter, 4) if args.use_peft else (shape.params, shape.width)
     each, merged = 3 * count * width, shape.params * shape.width if args.use_peft else 0
     kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
@@ -1585,9 +1580,10 @@ def nvidia_smi(query: str) -> list[list[str]] | None:
 
 def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
     """GPU uuid -> [(pid, command line, GiB)] of the compute processes nvidia-smi lists; None when it cannot."""
-    found = nvidia_smi("--query-compute-apps=gpu_uuid,pid,used_memory,process_name")
-    apps: dict[str, list[tuple[int, str, float]]] | None = None if found is None else {}
-    for uuid, pid, mib, name in (row for row in found or [] if len(row) == 4 and row[1].isdigit()):
+    if (found := nvidia_smi("--query-compute-apps=gpu_uuid,pid,used_memory,process_name")) is None:
+        return None
+    apps: dict[str, list[tuple[int, str, float]]] = {}
+    for uuid, pid, mib, name in (row for row in found if len(row) == 4 and row[1].isdigit()):
         # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_*; nvidia-smi may show only `python`.
         with contextlib.suppress(OSError):
             name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") or name
@@ -1675,8 +1671,7 @@ def check_same_gpu(pf: Preflight) -> None:
 
 
 def check_attention_kernel(pf: Preflight) -> None:
-    """TRL's tree attention, called once now: a kernel that cannot be fetched or has no build for this GPU fails here,
-    not after the weights load and the first paid group."""
+    """TRL's tree attention, run once now: a kernel that cannot load fails here, not after the first paid group."""
     if not torch.cuda.is_available():
         pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs kernels-community/flash-attn3")
         return
