@@ -1021,19 +1021,16 @@ class EmbeddedHarborServer:
 
 
 # --- Sizing: the disk and GPU memory a run needs, from --model's config alone (no weights are read) ------------------
-# The memory projection's constants, each from bench/results (docs/capacity.md derives the projection term by term).
-# Bytes per row token, per (hidden + intermediate) feature of the layer backward recomputes (full fine-tune / frozen
-# base) and per input feature of each linear LoRA adapts: fitted to every H200 peak on record, all within 2 %.
+# The memory projection's constants, from bench/results (docs/capacity.md derives the projection term by term).
+# Bytes per row token per (hidden + intermediate) feature backward recomputes (full fine-tune / frozen base), and per
+# input feature LoRA adapts: fitted to every H200 peak on record, all within 2 %.
 RECOMPUTE_FULL, RECOMPUTE_FROZEN, LORA_INPUT = 20, 13, 6
 PUSH_STAGING = 2**30  # a push's bfloat16 chunk: 0.7-1.1 GiB over the trainer's peak, measured on an H200
 VLLM_PUSH_COPIES = 2  # vLLM loads a pushed tensor beside its share: cast to its dtype, and its loader's copy
 OUTSIDE_ALLOCATOR = 2**29  # what torch's allocator does not count (kernels, library handles): a cap leaves it free
-VLLM_BUFFERS = int(1.1 * 2**30)  # vLLM's beyond weights and KV cache: Qwen3-4B at 0.35 of an H200 (49.1-7.5-40.5 GiB)
-# What torch's caching allocator reserves beyond what it hands out (running out of memory and the cap act on reserved
-# memory): the largest gap on record, Qwen3-4B float32 at 32k rows (78.8 GiB reserved, 67.4 projected without it).
-ALLOCATOR_RESERVE = 0.17
+ALLOCATOR_RESERVE = 0.17  # reserved beyond allocated: the largest gap on record, Qwen3-4B float32 at 32k rows
 MEMORY_TOLERANCE = 0.05  # past the measured error: a projection this close to the limit warns
-PROMPT_TOKENS = 1500  # a rollout's first prompt, when a row is planned as prompt + turns x tokens (docs/capacity.md)
+PROMPT_TOKENS = 1500  # a rollout's first prompt, when a row is planned as prompt + turns x tokens
 
 
 @functools.cache
@@ -1046,7 +1043,7 @@ def model_shape(model: str) -> tuple[int, str]:
 
 
 def lora_model(args: argparse.Namespace):
-    """--use-peft's model on the meta device: the modules PEFT resolves --lora-target-modules to, as training will."""
+    """--use-peft's model on the meta device, its adapters where training will place them."""
     from peft import get_peft_model  # --use-peft only: TRL keeps peft optional
 
     with torch.device("meta"), warnings.catch_warnings():
@@ -1077,14 +1074,12 @@ class TrainerShape(NamedTuple):
     adapter: int  # trained LoRA adapter parameters (float32); 0 for a full fine-tune
     merged: int  # parameters of the base weights LoRA adapts: the copies a merged push makes of them
     largest: int  # elements of the largest tensor a push sends (the embeddings or the LM head)
-    saved: int  # bytes per row token of the layer inputs gradient checkpointing keeps (at the weights' width)
+    saved: int  # bytes per row token of the layer inputs gradient checkpointing keeps
     recomputed: int  # bytes per row token of the layer backward recomputes
-    kv: int  # bytes per token of vLLM's bfloat16 KV cache
 
 
 def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
-    """None where --model's config cannot be read, --dtype auto is unresolved, or --lora-target-modules names no
-    module of it (the LoRA targets row)."""
+    """None where --model's config or --dtype auto is unreadable, or --lora-target-modules names no module of it."""
     dtype = trainer_dtype(args)
     if dtype is None or model_shape_error(args) is not None:
         return None
@@ -1105,17 +1100,13 @@ def trainer_shape(args: argparse.Namespace) -> TrainerShape | None:
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
     width = getattr(torch, dtype).itemsize
     recomputed = (RECOMPUTE_FROZEN if adapter else RECOMPUTE_FULL) * (hidden + intermediate) + LORA_INPUT * adapted
-    heads = getattr(text, "num_attention_heads", 0)  # 0: an attention-free model keeps no KV cache
-    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
-    kv = 2 * layers * getattr(text, "num_key_value_heads", heads) * head_dim * 2  # K and V
     return TrainerShape(model_shape(args.model)[0], width, adapter, merged, hidden * max(text.vocab_size, intermediate),
-                        layers * hidden * width, recomputed, kv)
+                        layers * hidden * width, recomputed)
 
 
 def trainer_peak(shape: TrainerShape, row: int, ranks: int = 1, fsdp: bool = False, backend: str | None = None,
                  served_width: int = 2) -> dict[str, int]:
-    """Peak bytes torch's allocator reserves on one trainer GPU in an optimizer step over a `row`-token row, by part;
-    on a GPU vLLM shares (`backend` ipc), with what vLLM allocates beside its share to load a push."""
+    """Peak bytes torch reserves on one trainer GPU in a step over a `row`-token row, by part (ipc: and vLLM's)."""
     lora, ipc = shape.adapter > 0, backend == "ipc"
     trained, width = (shape.adapter, 4) if lora else (shape.params, shape.width)  # PEFT trains float32 adapters
     shard = ranks if fsdp else 1  # FSDP shards weights, gradients and AdamW state; DDP gives every rank all of them
@@ -1342,10 +1333,10 @@ def url_port(url: str) -> int:
     return parts.port or (443 if parts.scheme == "https" else 80)
 
 
-def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, str]]:
-    """(address, socket inode) of every TCP socket listening on `port` in this network namespace: vLLM's
-    /server_info does not say which host it binds."""
-    found = []
+def port_listeners(port: int) -> tuple[set[str], set[int]]:
+    """The addresses TCP sockets listen on `port` at in this network namespace, and the processes holding them with
+    their descendants (vLLM's engine core, on the GPU, is its API server's child): vLLM reports neither."""
+    addresses, inodes = set(), set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
             for line in Path(table).read_text().splitlines()[1:]:
@@ -1354,31 +1345,24 @@ def listening_sockets(port: int) -> list[tuple[ipaddress.IPv4Address | ipaddress
                 if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: TCP_LISTEN
                     raw = bytes.fromhex(address)  # 32-bit words, each in the kernel's (little-endian) byte order
                     ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
-                    found.append((getattr(ip, "ipv4_mapped", None) or ip, fields[9]))
-    return found
-
-
-def serving_processes(port: int) -> set[int]:
-    """The processes holding a socket listening on `port`, and their descendants: vLLM's API server holds the port,
-    its engine core (the process on the GPU) is a child of it."""
-    inodes = {f"socket:[{inode}]" for _, inode in listening_sockets(port)}
+                    addresses.add(str(getattr(ip, "ipv4_mapped", None) or ip))
+                    inodes.add(f"socket:[{fields[9]}]")
     parents, tree = {}, set()
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):  # not a pid, gone meanwhile, or another user's
             parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+            if inodes and any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
                 tree.add(int(proc.name))
     while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
         tree |= grown
-    return tree
+    return addresses, tree
 
 
 def check_vllm_on_loopback(pf: Preflight) -> None:
-    """Dev mode (which the weight push needs) serves /collective_rpc and the weight-transfer routes to whoever reaches
-    vLLM's port: with ipc they unpickle what they are sent (FAIL beyond loopback); with nccl they let anyone pause
-    vLLM or load other weights (WARN: a multi-node run needs vLLM reachable from the trainer's node)."""
+    """Dev mode serves /collective_rpc and the weight-transfer routes to whoever reaches vLLM: with ipc they unpickle
+    what they are sent; with nccl they pause vLLM or load other weights (a multi-node run needs them reachable)."""
     url, port = pf.args.vllm_url, url_port(pf.args.vllm_url)
-    listening = sorted({str(address) for address, _ in listening_sockets(port)})
+    listening = sorted(port_listeners(port)[0])
     beyond = [f"vLLM listens on {address} port {port}, beyond this host" for address in listening
               if not ipaddress.ip_address(address).is_loopback]
     host = urllib.parse.urlsplit(url).hostname or ""
@@ -1395,10 +1379,9 @@ def check_vllm_on_loopback(pf: Preflight) -> None:
     elif beyond:
         pf.add("vLLM on loopback", FAIL, f"{beyond[0]}: {danger}", "restart vLLM with --host 127.0.0.1")
     elif not listening:
-        pf.add("vLLM on loopback", WARN, f"no socket listening on port {port} is visible here (another network "
-               "namespace?): whether vLLM is reachable beyond this host is unknown", "run vLLM with --host 127.0.0.1")
-    elif pf.ipc and job:
-        # Loopback keeps other hosts out, not the other users of this one: a scheduler's node runs their jobs too.
+        pf.add("vLLM on loopback", WARN, f"no socket listening on port {port} is visible here",
+               "run vLLM with --host 127.0.0.1")
+    elif pf.ipc and job:  # every user of a scheduler's shared node reaches its loopback
         pf.add("vLLM on loopback", WARN, f"this host is shared ({job}) and every local user reaches its loopback: "
                f"{danger}", "run the job on a node of its own (SLURM: --exclusive), or use the nccl backend")
     else:
@@ -1412,8 +1395,7 @@ def check_trainer_ranks(pf: Preflight) -> None:
 
 
 def check_dtype(pf: Preflight) -> None:
-    """The dtype vLLM samples in against the one the trainer scores in: on a GPU bf16 autocast whatever its weights
-    (the config's bf16: accelerate wraps the forward), elsewhere its weights' dtype. TRL compares weights only."""
+    """vLLM's dtype against the trainer's compute dtype: bf16 autocast on a GPU, else its weights' (TRL's warning)."""
     if pf.vllm_config is None:
         pf.add("dtype", SKIP, "vLLM's dev endpoints are off, so its dtype cannot be read")
         return
@@ -1423,12 +1405,9 @@ def check_dtype(pf: Preflight) -> None:
     if not served or not trains:
         pf.add("dtype", WARN, f"not compared: vLLM's dtype is {served or 'unreported'}, the trainer's "
                f"{trains or model_shape_error(args)}")
-    elif served == computes == trains:
-        pf.add("dtype", PASS, f"vLLM serves {served}, {weights}")
     elif served == computes:
-        # 2 x H200: step-1 importance ratio 1.0004, kl 0.002 (bench/results/2026-12-01-h200.md).
-        pf.add("dtype", PASS, f"vLLM serves bfloat16 and the trainer scores under bfloat16 autocast; {weights}, "
-               "rounded to bfloat16 by each push (TRL's start-up warning about this is expected)")
+        autocast = "" if computes == trains else " and the trainer scores under bfloat16 autocast"
+        pf.add("dtype", PASS, f"vLLM serves {served}{autocast}, {weights}")
     else:
         trainer = f"{weights}; TRL warns about this"
         if args.bf16:
@@ -1474,8 +1453,7 @@ def check_context(pf: Preflight) -> None:
 
 
 def check_lora_targets(pf: Preflight) -> None:
-    """PEFT places the adapters, and none on the one weight the model's input embeddings and output head share: it
-    would change one of the two in training, both in the merged push."""
+    """No adapter on a weight the input embeddings and output head share: the merged push would change both."""
     from peft.tuners.lora import LoraLayer
 
     if model_shape_error(pf.args) is not None:
@@ -1499,30 +1477,23 @@ def check_lora_targets(pf: Preflight) -> None:
 def check_precision(pf: Preflight) -> None:
     args, dtype = pf.args, trainer_dtype(pf.args)
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
-    if fsdp and dtype not in (None, "float32"):
-        # accelerate's FSDP2 prepare upcasts trainable parameters to float32 after TRL has told vLLM their dtype
-        # (fsdp_utils: "Upcast to fp32 master weights"), so every push would send other bytes than vLLM expects.
-        pf.add("precision", FAIL, f"--dtype {args.dtype} under FSDP: accelerate upcasts the weights to float32 "
-               f"after TRL announced them to vLLM as {dtype}, so weight pushes would not match",
-               "--dtype float32 (FSDP keeps float32 weights anyway and computes in bf16)")
-    elif fsdp and args.use_peft:
-        # The merged push folds the adapter in per layer from local tensors (HarborGRPOTrainer._streaming_iter).
-        pf.add("precision", FAIL, "--use-peft under FSDP: this script's merged push reads whole adapter tensors, "
-               "which FSDP shards", "train LoRA on one trainer process (docs/capacity.md, LoRA), or without FSDP")
+    if fsdp and dtype not in (None, "float32"):  # accelerate's FSDP2 upcasts after TRL announced the dtype to vLLM
+        pf.add("precision", FAIL, f"--dtype {args.dtype} under FSDP: accelerate upcasts the weights to float32, so "
+               "weight pushes would not match", "--dtype float32 (FSDP keeps float32 weights anyway)")
+    elif fsdp and args.use_peft:  # the merged push folds whole adapter tensors in, which FSDP shards
+        pf.add("precision", FAIL, "--use-peft under FSDP: the merged push cannot read sharded adapters",
+               "train LoRA on one trainer process (docs/capacity.md, LoRA), or without FSDP")
     elif dtype in ("bfloat16", "float16", "float32"):
-        # An AdamW step moves a weight by about the learning rate. Below half the dtype's spacing at a typical weight
-        # (0.02, Qwen3's initializer range) the sum rounds back to the old weight. PEFT's adapters are float32.
+        # An AdamW step moves a weight by ~lr: below half the spacing at |w| 0.02 (Qwen3's init range) it rounds away
         trained = "float32" if args.use_peft else dtype
         half_step = 2.0 ** math.floor(math.log2(0.02)) * torch.finfo(getattr(torch, trained)).eps / 2
         what = f"LoRA: float32 adapters on a frozen {dtype} base" if args.use_peft else f"{dtype} weights"
         if args.learning_rate < half_step:
-            pf.add("precision", WARN, f"{what}: an AdamW step moves a weight by ~--learning-rate "
-                   f"{args.learning_rate:g}, below half the {trained} spacing at |w| = 0.02 ({half_step:.1e}): "
-                   "most updates round to no change and the run silently stops learning",
-                   f"--dtype float32 (docs/capacity.md), or a learning rate well above {half_step:.0e}")
+            pf.add("precision", WARN, f"{what}: --learning-rate {args.learning_rate:g} is below half the {trained} "
+                   f"spacing at |w| = 0.02 ({half_step:.1e}), so most updates round to no change",
+                   f"--dtype float32, or a learning rate well above {half_step:.0e}")
         else:
-            pf.add("precision", PASS, f"{what}: AdamW steps of ~{args.learning_rate:g} exceed half the {trained} "
-                   f"spacing at |w| = 0.02 ({half_step:.1e})")
+            pf.add("precision", PASS, f"{what}: --learning-rate {args.learning_rate:g} >= {half_step:.1e}")
 
 
 def check_checkpoints(pf: Preflight) -> None:
@@ -1532,22 +1503,18 @@ def check_checkpoints(pf: Preflight) -> None:
         return
     if not pf.writable or shape is None:  # the output dir's row, or a --lora-target-modules without a shape to size
         return
-    # transformers saves the trained tensors with torch's AdamW state (two moments) at their width: of a PEFT model,
-    # the float32 adapter alone, whose run writes the merged model once at the end.
+    # transformers saves the trained tensors (LoRA: the float32 adapter) with AdamW's two moments at their width
     count, width = (shape.adapter, 4) if args.use_peft else (shape.params, shape.width)
     each, merged = 3 * count * width, shape.params * shape.width if args.use_peft else 0
     kept = args.save_total_limit or max(1, args.max_steps // args.save_steps)
     peak = (kept + 1) * each + merged  # the oldest goes once the newest is whole
     free = shutil.disk_usage(args.output_dir).free
     pf.plan["checkpoint_bytes"] = each
-    params = f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count / 1e6:.2f} M"
-    what = ("adapter params x 12 B: float32 adapter" if args.use_peft
-            else f"params x {3 * width} B: {trainer_dtype(args)} weights")
-    end = f", and the merged model at the end ({human_bytes(merged)})" if merged else ""
+    what = "float32 adapter" if args.use_peft else f"{trainer_dtype(args)} weights"
     pf.add("checkpoints", WARN if free < peak else PASS,
-           f"~{human_bytes(each)} each ({params} {what} + 2 AdamW moments); {kept} kept (--save-total-limit "
-           f"{args.save_total_limit}) + 1 being written{end} = {human_bytes(peak)}; {human_bytes(free)} free in "
-           f"{args.output_dir}", "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
+           f"~{human_bytes(each)} each ({what} + 2 AdamW moments); {kept} kept + 1 being written"
+           f"{' + the merged model' if merged else ''} = {human_bytes(peak)}; {human_bytes(free)} free",
+           "free disk space, lower --save-total-limit, or give an --output-dir on a larger disk")
 
 
 def nvidia_smi(query: str) -> list[list[str]] | None:
@@ -1562,9 +1529,10 @@ def nvidia_smi(query: str) -> list[list[str]] | None:
 
 def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
     """GPU uuid -> [(pid, command line, GiB)] of the compute processes nvidia-smi lists; None when it cannot."""
-    found = nvidia_smi("--query-compute-apps=gpu_uuid,pid,used_memory,process_name")
-    apps: dict[str, list[tuple[int, str, float]]] | None = None if found is None else {}
-    for uuid, pid, mib, name in (row for row in found or [] if len(row) == 4 and row[1].isdigit()):
+    if (found := nvidia_smi("--query-compute-apps=gpu_uuid,pid,used_memory,process_name")) is None:
+        return None
+    apps: dict[str, list[tuple[int, str, float]]] = {}
+    for uuid, pid, mib, name in (row for row in found if len(row) == 4 and row[1].isdigit()):
         # vLLM titles its GPU processes VLLM::EngineCore / VLLM::Worker_*; nvidia-smi may show only `python`.
         with contextlib.suppress(OSError):
             name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") or name
@@ -1573,8 +1541,7 @@ def gpu_processes() -> dict[str, list[tuple[int, str, float]]] | None:
     return apps
 
 
-# The oldest NVIDIA driver (Linux) that runs a build of each CUDA major version: NVIDIA's CUDA minor version
-# compatibility table (CUDA 13.0 GA shipped with 580.65.06). torch 2.13's wheels are CUDA 13.0.
+# The oldest NVIDIA driver (Linux) that runs each CUDA major: NVIDIA's CUDA compatibility table. torch 2.13: CUDA 13.0.
 CUDA_DRIVER_FLOOR = {13: 580, 12: 525, 11: 450}
 
 
@@ -1587,106 +1554,79 @@ def check_trainer_gpu(pf: Preflight) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not gpus and cuda:
         floor = CUDA_DRIVER_FLOOR.get(int(cuda.split(".")[0]), 0)  # 0: a CUDA major this table does not know
-        driver = (nvidia_smi("--query-gpu=driver_version") or [[""]])[0][0]
-        fix = f"install NVIDIA driver >= {floor} (Linux), the oldest that runs CUDA {cuda}"
-        if not driver:
-            found = "no NVIDIA driver answers (nvidia-smi is missing or fails)"
-        elif driver.split(".")[0].isdigit() and int(driver.split(".")[0]) < floor:
-            found = f"the NVIDIA driver is {driver}, too old for CUDA {cuda}"
-        else:
-            found = f"the NVIDIA driver is {driver}, new enough for CUDA {cuda}, but no GPU is visible to this process"
-            fix = "make the trainer's GPU visible: CUDA_VISIBLE_DEVICES=<its index or GPU-UUID, nvidia-smi -L>"
-        pf.add("trainer GPU", FAIL, f"{built} is built for CUDA {cuda} but sees no CUDA device ({visible}): {found}",
-               fix)
-    elif not gpus and torch.version.hip:
-        pf.add("trainer GPU", FAIL, f"{built} is built for ROCm {torch.version.hip} but sees no GPU ({visible})",
-               "make the trainer's GPU visible (HIP_VISIBLE_DEVICES), or check its driver")
+        driver = (nvidia_smi("--query-gpu=driver_version") or [["none (nvidia-smi fails)"]])[0][0]
+        old = not driver.split(".")[0].isdigit() or int(driver.split(".")[0]) < floor
+        pf.add("trainer GPU", FAIL, f"{built} is built for CUDA {cuda} but sees no CUDA device ({visible}; NVIDIA "
+               f"driver: {driver})", f"install NVIDIA driver >= {floor} (Linux)" if old else
+               "make the trainer's GPU visible: CUDA_VISIBLE_DEVICES=<its index or GPU-UUID, nvidia-smi -L>")
     elif not gpus:
         # NCCL moves GPU memory only, and torch shares no CUDA memory from CPU tensors (the CPU tests stand in for both)
-        pushes = reduce_tensor(torch.zeros(1))[0] is rebuild_cuda_tensor if pf.ipc else is_nccl_available()
-        how = ("vLLM serves the ipc backend: CUDA IPC cannot push weights from a CPU trainer" if pf.ipc
-               else "it pushes its weights to vLLM over NCCL, which moves GPU memory only")
-        where = ("on vLLM's GPU (CUDA_VISIBLE_DEVICES=GPU-<its UUID, nvidia-smi -L>)" if pf.ipc
-                 else "on a GPU of its own")
-        if pushes:
+        if reduce_tensor(torch.zeros(1))[0] is rebuild_cuda_tensor if pf.ipc else is_nccl_available():
             pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
         else:
+            how = "CUDA IPC cannot push weights from a CPU trainer" if pf.ipc else "NCCL moves GPU memory only"
+            where = "on vLLM's GPU" if pf.ipc else "on a GPU of its own"
             pf.add("trainer GPU", FAIL, f"no CUDA device visible to the trainer ({built}, a CPU build; {visible}): "
-                   f"{how}", f"run this script {where} with a CUDA build of torch (`uv run` installs it from this "
-                   f"script's header; it needs NVIDIA driver >= {CUDA_DRIVER_FLOOR[13]})")
-    elif pf.gpu_apps is None:
-        pf.add("trainer GPU", PASS if pf.ipc else WARN, "cuda:0: nvidia-smi is unavailable, so whether vLLM or another "
-               "process shares it is unknown", "give vLLM and the trainer different GPUs (NCCL refuses two ranks on "
-               "one device)")
+                   f"{how}", f"run this script {where} with the CUDA torch of its header (`uv run`; NVIDIA driver >= "
+                   f"{CUDA_DRIVER_FLOOR[13]})")
     else:
-        held, busy, mine = [], [], []
+        held, mine = [], []
         for index in range(min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpus)):  # one GPU a local rank
             props = torch.cuda.get_device_properties(index)
             mine.append(label := f"cuda:{index} ({props.name})")
-            others = [a for a in pf.gpu_apps.get(str(props.uuid).lower().removeprefix("gpu-"), [])
-                      if a[0] != os.getpid()]
-            vllm = [a for a in others if "vllm" in a[1].lower()]
+            vllm = [a for a in (pf.gpu_apps or {}).get(str(props.uuid).lower().removeprefix("gpu-"), [])
+                    if "vllm" in a[1].lower() and a[0] != os.getpid()]
             if vllm:
                 held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
-            elif others:
-                busy.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
+        fix = "give vLLM and the trainer different GPUs (CUDA_VISIBLE_DEVICES): NCCL refuses two ranks on one device"
         if pf.ipc:
-            pf.add("trainer GPU", PASS, f"{'; '.join(held + busy) or ', '.join(mine)}: shared with vLLM on purpose "
+            pf.add("trainer GPU", PASS, f"{'; '.join(held) or ', '.join(mine)}: shared with vLLM on purpose "
                    "(the ipc backend pushes weights within one card)")
-        elif held or busy:
-            pf.add("trainer GPU", FAIL if held else WARN, "; ".join(held or busy) + "; the trainer needs the card",
-                   "give vLLM and the trainer different GPUs: CUDA_VISIBLE_DEVICES=0 for `vllm serve`, "
-                   "CUDA_VISIBLE_DEVICES=1 for this script (NCCL refuses two ranks on one device)")
+        elif held:
+            pf.add("trainer GPU", FAIL, "; ".join(held), fix)
+        elif pf.gpu_apps is None:
+            pf.add("trainer GPU", WARN, f"{', '.join(mine)}: nvidia-smi is unavailable, so whether vLLM shares it is "
+                   "unknown", fix)
         else:
-            pf.add("trainer GPU", PASS, f"{', '.join(mine)}: no other process on it")
+            pf.add("trainer GPU", PASS, f"{', '.join(mine)}: no vLLM process on it")
 
 
 def check_same_gpu(pf: Preflight) -> None:
-    """CUDA IPC maps memory of one physical GPU: vLLM must run on the trainer's own, by UUID (indices differ with
-    CUDA_VISIBLE_DEVICES)."""
+    """CUDA IPC maps memory of one physical GPU: vLLM must run on the trainer's own, by UUID."""
     if not torch.cuda.is_available():
         pf.add("same GPU", SKIP, "not compared: the trainer has no CUDA device (the trainer GPU row)")
         return
-    props, apps = torch.cuda.get_device_properties(0), pf.gpu_apps
+    props, apps = torch.cuda.get_device_properties(0), pf.gpu_apps or {}
     mine = str(props.uuid).lower().removeprefix("gpu-")
-    # The processes serving --vllm-url's port first: another run's vLLM may share this host. By name only where they
-    # are not visible here (another user's, another PID namespace).
-    server = serving_processes(url_port(pf.args.vllm_url)) - {os.getpid()} if apps else set()
-    vllm = {uuid: pids for uuid, procs in (apps or {}).items() if (pids := [a[0] for a in procs if a[0] in server])}
-    vllm = vllm or {uuid: pids for uuid, procs in (apps or {}).items()
+    # The processes serving --vllm-url's port first (another run's vLLM may share this host), else any vLLM by name.
+    server = port_listeners(url_port(pf.args.vllm_url))[1] - {os.getpid()} if apps else set()
+    vllm = {uuid: pids for uuid, procs in apps.items() if (pids := [a[0] for a in procs if a[0] in server])}
+    vllm = vllm or {uuid: pids for uuid, procs in apps.items()
                     if (pids := [a[0] for a in procs if "vllm" in a[1].lower() and a[0] != os.getpid()])}
-    if apps is None:
-        unknown = "nvidia-smi is unavailable"
-    elif (mine.startswith("mig-") or " MIG " in f" {props.name} " or any(uuid.startswith("mig-") for uuid in apps)
-          or os.environ.get("CUDA_VISIBLE_DEVICES", "").upper().startswith("MIG-")):
-        # A MIG instance's UUID is not its parent GPU's, and nvidia-smi lists processes by either.
-        unknown = f"cuda:0 ({props.name}) is a MIG instance ({props.uuid}), which UUIDs cannot match to vLLM's"
-    elif not vllm:
-        unknown = "no process of vLLM's shows on any GPU here (nvidia-smi)"
-    elif mine in vllm:
+    # A MIG instance's UUID is not its parent GPU's, and nvidia-smi lists processes by either.
+    mig = (mine.startswith("mig-") or " MIG " in f" {props.name} " or any(uuid.startswith("mig-") for uuid in apps)
+           or os.environ.get("CUDA_VISIBLE_DEVICES", "").upper().startswith("MIG-"))
+    if not mig and mine in vllm:
         pf.add("same GPU", PASS, f"cuda:0 ({props.name}, GPU-{mine}) is vLLM's GPU (pid {vllm[mine][0]})")
-        return
-    else:
+    elif not mig and vllm:
         theirs = next(iter(vllm))
         pf.add("same GPU", FAIL, f"vLLM runs on GPU-{theirs} (pid {vllm[theirs][0]}), the trainer on cuda:0 = "
-               f"GPU-{mine}: CUDA IPC reaches only the same physical GPU",
+               f"GPU-{mine}: CUDA IPC reaches only the same GPU",
                f"start this script with CUDA_VISIBLE_DEVICES=GPU-{theirs}")
-        return
-    pf.add("same GPU", WARN, f"{unknown}, so whether vLLM runs on cuda:0 could not be verified: a push from another "
-           "GPU fails at the first step", "start vLLM and this script with the same CUDA_VISIBLE_DEVICES=GPU-<UUID> "
-           "(MIG-<UUID> under MIG; nvidia-smi -L)")
+    else:
+        pf.add("same GPU", WARN, f"whether vLLM runs on cuda:0 ({props.name}) could not be verified (nvidia-smi"
+               f"{' under MIG' if mig else ''})", "start vLLM and this script with the same "
+               "CUDA_VISIBLE_DEVICES=GPU-<UUID> (MIG-<UUID> under MIG; nvidia-smi -L)")
 
 
 def check_attention_kernel(pf: Preflight) -> None:
-    """TRL's tree attention, called once now: a kernel that cannot be fetched or has no build for this GPU fails here
-    in seconds, not at the first step after the weights load, the first push and the first paid group."""
+    """TRL's tree attention, run once now: a kernel that cannot load fails here, not after the first paid group."""
     if not torch.cuda.is_available():
-        pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs FlashAttention-3 from the hub "
-               "(kernels-community/flash-attn3), which has no CPU build")
+        pf.add("attention kernel", SKIP, "CUDA only: TRL's tree attention runs kernels-community/flash-attn3")
         return
     props = torch.cuda.get_device_properties(0)
     gpu = f"{props.name} (compute capability {props.major}.{props.minor}), torch {torch.__version__}"
-    try:  # TRL loads its kernel from the hub at the first call, and caches it; a GPU torch has no build for fails
+    try:  # TRL loads its kernel from the hub at the first call, and caches it
         q = torch.randn(1, 2, 8, 64, device="cuda:0", dtype=torch.bfloat16)
         cu = torch.tensor([0, 8], device="cuda:0", dtype=torch.int32)
         packing.tree_attention(None, q, q, q, None, tree_kv_index=torch.arange(8, device="cuda:0"),
@@ -1694,28 +1634,23 @@ def check_attention_kernel(pf: Preflight) -> None:
         torch.cuda.synchronize(0)
     except Exception as exc:  # noqa: BLE001 - `kernels` missing, the hub unreachable, no build for this GPU: all fail
         pf.add("attention kernel", FAIL, redact(f"TRL's tree attention (kernels-community/flash-attn3) cannot run on "
-                                                f"{gpu}: {type(exc).__name__}: {exc}")[:700],
-               "TRL 1.16's AsyncGRPO attends only through it: train on a Hopper GPU (H100 / H200) with `kernels` "
-               "installed (`uv run` does); offline, pre-fetch it on a machine with internet, the same torch and CUDA "
-               "(HF_HOME=/shared/hf python -c \"from kernels import get_kernel; get_kernel('kernels-community/"
-               "flash-attn3', version=1)\") and train with HF_HOME=/shared/hf HF_HUB_OFFLINE=1")
+                                                f"{gpu}: {type(exc).__name__}: {exc}").splitlines()[0][:300],
+               "train on a Hopper GPU (H100 / H200) with `kernels`; offline, pre-fetch it (docs/troubleshooting.md)")
         return
     pf.add("attention kernel", PASS, f"kernels-community/flash-attn3 (version 1) loaded and ran on {gpu}")
 
 
 def check_trainer_memory(pf: Preflight) -> None:
-    """The trainer's projected peak against what it may use on its GPU, before any weights load or paid rollout. On a
-    GPU vLLM shares (ipc) that is what vLLM's --gpu-memory-utilization leaves of the card (vLLM sized itself to that
-    share at start, whatever it holds now); the plan caps the trainer there (train() applies it), whether or not its
-    peak could be projected."""
+    """The trainer's projected peak against what it may use on its GPU; beside vLLM (ipc) that is what vLLM's
+    --gpu-memory-utilization leaves of the card, where the plan caps the trainer, projected or not."""
     args, shape, served = pf.args, pf.shape, pf.served or {}
     share = served.get("gpu_memory_utilization") if pf.ipc else None
     ranks, fsdp = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     peak = functools.partial(trainer_peak, ranks=ranks, fsdp=fsdp, backend=served.get("weight_transfer"),
                              served_width=getattr(torch, str(served.get("dtype")), torch.bfloat16).itemsize)
-    row = served.get("max_model_len")  # TRL packs rollouts into rows up to its token budget, unset: this
+    row, budget = served.get("max_model_len"), "vLLM's max_model_len"  # TRL packs rollouts into rows up to its budget
     if (args.config.token_budget or 0) > 0:
-        row = args.config.token_budget
+        row, budget = args.config.token_budget, "--token-budget"
     elif args.config.token_budget is not None and row:  # no packing: per_device_train_batch_size rollouts a row
         row *= args.config.per_device_train_batch_size
     parts = peak(shape, row or 0) if shape else {}
@@ -1725,47 +1660,41 @@ def check_trainer_memory(pf: Preflight) -> None:
     except (AssertionError, RuntimeError):  # torch built without CUDA asserts; with CUDA but no device it raises
         free = total = 0
     limit = (min(free, int(total * (1 - share))) if share else free) - OUTSIDE_ALLOCATOR
-    vllm = (f"; vLLM shares this GPU and sized itself to --gpu-memory-utilization {share:g} x {gib(total)} = "
-            f"{gib(share * total)}" if share else "")
-    room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}{vllm}; "
-            f"{gib(OUTSIDE_ALLOCATOR)} left for what torch's allocator does not count)")
+    vllm = f"; vLLM's share {share:g} x {gib(total)} = {gib(share * total)}" if share else ""
+    room = (f"{gib(limit)} the trainer may use on cuda:0 ({gib(free)} free of {gib(total)}{vllm}, less "
+            f"{gib(OUTSIDE_ALLOCATOR)})")
     # vLLM's own copies while it loads a push come out of the same room: the trainer is capped below them.
     fraction = min(1.0, max(0, limit - beside + torch.cuda.memory_reserved(0)) / total) if total and share else 0
-    cap = (f"; the trainer is capped there at train start (torch.cuda.set_per_process_memory_fraction {fraction:.3f}"
-           f"{f', less {gib(beside)} for vLLM to load a push' if beside else ''}), so it never grows into vLLM's "
-           "share") if fraction else ""
+    cap = f"; capped at train start (memory fraction {fraction:.3f})" if fraction else ""
     what = (f"LoRA r {args.lora_r} on a frozen {trainer_dtype(args)} base" if args.use_peft
             else f"full fine-tune, {trainer_dtype(args)} weights")
     what += f", FSDP over {ranks} ranks" if fsdp and ranks > 1 else f", {ranks} DDP ranks" if ranks > 1 else ""
-    budget = "--token-budget" if (args.config.token_budget or 0) > 0 else "vLLM's max_model_len"
-    rows = (f"a {row:,}-token row (TRL packs rollouts up to its token budget, here {budget})" if row
-            else "the static part alone (the row is TRL's token budget, vLLM's max_model_len: unknown)")
+    rows = f"a {row:,}-token row ({budget})" if row else "the static part alone (the row once vLLM answers)"
     detail = f"projected peak {gib(need)} for {rows}, {what}: {', '.join(f'{k} {gib(n)}' for k, n in parts.items())}"
     tight = shape and total and need * (1 + MEMORY_TOLERANCE) > limit
-    fix = memory_fixes(args, shape, peak, need, limit, total, row or 0, share) if tight else ""
+    fix = memory_fixes(args, shape, peak, limit, row or 0) if tight else ""
     if shape is None:
         status, detail = SKIP, (f"not projected: {model_shape_error(args) or '--dtype auto: its dtype is unknown'}"
                                 + (f"; {room}{cap}" if cap else ""))
     elif not total:
         status, detail = SKIP, f"{detail}; no GPU to compare against (the trainer runs on CPU)"
     elif need > limit:
-        pf.add("trainer memory", FAIL, f"{detail} > {room}: training would run out of GPU memory at its first step, "
-               "after a group of paid rollouts", fix)
+        pf.add("trainer memory", FAIL, f"{detail} > {room}", fix)
         return  # nothing trains
     elif row is None:
-        status, detail = SKIP, f"{detail}: fits {room}; the activations are projected once vLLM answers{cap}"
+        status, detail = SKIP, f"{detail}: fits {room}{cap}"
     elif tight:
         status, detail = WARN, f"{detail}, within {MEMORY_TOLERANCE:.0%} of {room}{cap}"
     else:
-        status, detail = PASS, f"{detail}; fits {room}, {gib(limit - need)} to spare{cap}"
+        status, detail = PASS, f"{detail}; fits {room}{cap}"
     pf.add("trainer memory", status, detail, fix)
     if fraction:
         pf.plan["gpu_memory_fraction"] = fraction
 
 
-def memory_fixes(args: argparse.Namespace, shape: TrainerShape, peak: Callable[..., dict[str, int]], need: int,
-                 limit: int, total: int, row: int, share: float | None) -> str:
-    """The ways to bring the projection under `limit` with MEMORY_TOLERANCE to spare, each with its numbers."""
+def memory_fixes(args: argparse.Namespace, shape: TrainerShape, peak: Callable[..., dict[str, int]], limit: int,
+                 row: int) -> str:
+    """The flags that bring the projection under `limit` with MEMORY_TOLERANCE to spare."""
     fixes, low, high = [], 0, row
     while low < high:  # the longest row that fits
         mid = (low + high + 1) // 2
@@ -1775,22 +1704,12 @@ def memory_fixes(args: argparse.Namespace, shape: TrainerShape, peak: Callable[.
     if tokens >= PROMPT_TOKENS + args.max_completion_length:
         steps = min(args.agent_step_limit, (tokens - PROMPT_TOKENS) // args.max_completion_length)
         where = (f"--token-budget {tokens}" if (args.config.token_budget or 0) > 0
-                 else f"serve vLLM with --max-model-len {tokens} (TRL's token budget)")
-        fixes.append(f"{where} and pass --agent-step-limit {steps}, so a rollout of {args.max_completion_length}-token "
-                     f"turns still fits (the longest row with {MEMORY_TOLERANCE:.0%} to spare: {low:,} tokens)")
-    if share:
-        lower = math.floor((share - (need * (1 + MEMORY_TOLERANCE) - limit) / total) * 100) / 100
-        least = 2 * shape.params + row * shape.kv + VLLM_BUFFERS  # vLLM's bfloat16 weights, one row's KV, buffers
-        if lower * total >= least:
-            fixes.append(f"restart vLLM with --gpu-memory-utilization {lower:.2f} (now {share:g}; it needs "
-                         f"{least / total:.2f} at the least: {gib(least)} for its weights, one {row:,}-token "
-                         "sequence's KV cache and its buffers)")
-    if not args.use_peft:
-        lora = trainer_shape(argparse.Namespace(**{**vars(args), "use_peft": True, "dtype": "bfloat16"}))
-        lora_peak = sum(peak(lora, row).values()) if lora else 0
-        if lora_peak and lora_peak * (1 + MEMORY_TOLERANCE) <= limit:
-            fixes.append(f"--use-peft (LoRA r {args.lora_r} on a bfloat16 base: {gib(lora_peak)} projected for this "
-                         "row)")
+                 else f"serve vLLM with --max-model-len {tokens}")
+        fixes.append(f"{where} and --agent-step-limit {steps} ({args.max_completion_length}-token turns)")
+    lora = None if args.use_peft else trainer_shape(argparse.Namespace(**{**vars(args), "use_peft": True,
+                                                                           "dtype": "bfloat16"}))
+    if lora and sum(peak(lora, row).values()) * (1 + MEMORY_TOLERANCE) <= limit:
+        fixes.append(f"--use-peft (LoRA r {args.lora_r} on a bfloat16 base)")
     return "; or ".join(fixes) or "train on a GPU with more free memory, or shard it with FSDP (slurm/README.md)"
 
 

@@ -584,7 +584,7 @@ def parse_projection(stdout: str) -> dict | None:
         out["for"], out["what"] = match[2], match[3]
         out["parts_gib"] = {name.strip(): to_gib(value)
                             for name, value in re.findall(r"([^,]+?) ([\d,.]+ [GM]iB)", match[4])}
-        fraction = re.search(r"set_per_process_memory_fraction ([\d.]+)", detail)
+        fraction = re.search(r"memory fraction ([\d.]+)", detail)
         if fraction:
             out["cap_fraction"] = float(fraction[1])
     return out
