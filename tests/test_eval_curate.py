@@ -28,7 +28,7 @@ def measured(eval_tier_rig, tmp_path_factory):
 
 
 def test_eval_only_reproduces_the_solve_rates(measured):
-    proc, rows, _ = measured
+    proc, rows, work = measured
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert set(rows) == set(TASKS.split(","))
     assert all(int(r["k"]) == K and int(r["errors"]) == 0 for r in rows.values()), rows
@@ -37,6 +37,11 @@ def test_eval_only_reproduces_the_solve_rates(measured):
     assert all(float(r["mean_turns"]) >= 1 and float(r["mean_wall_s"]) > 0 for r in rows.values())
     assert {r["harness"] for r in rows.values()} == {"mini-swe-agent"}
     assert {r["sandbox"] for r in rows.values()} == {"local"}
+    # One summary line, no per-task table: the CSV holds the rows.
+    units, solved = len(TASKS.split(",")), sum(int(r["solved"]) for r in rows.values())
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("[eval] ")]
+    assert summary == [f"[eval] {units} of {units} tasks measured in full, {solved}/{K * units} solved, 0 errors: "
+                       f"{work / 'out' / 'pass_rates.csv'}"], summary
 
 
 def test_eval_only_counts_every_rollout_it_ran(measured):
