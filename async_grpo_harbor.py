@@ -491,8 +491,8 @@ def resolve_tasks(entries: list[tuple[str, str]], catalogue: list[dict[str, Any]
 
 
 def task_rows(tasks: list[dict[str, Any]], split: str, harnesses: list[str]) -> list[dict[str, Any]]:
-    """A row (a GRPO group: one task, one harness) per task and harness, the harness shifting each pass. The task
-    rides in the prompt: TRL hands the session factory nothing else."""
+    """A row (a GRPO group) per task and harness, the harness shifting each pass. The task rides in the prompt: TRL
+    hands the session factory nothing else."""
     return [{"prompt": [{"role": "user", "content": f"[{t['task_name']}] {t.get('instruction', '')[:2000]}",
                          "harbor_split": split, "harbor_task_index": int(t["index"]),
                          "harbor_task_name": t["task_name"], "harbor_harness": harness}]}
