@@ -400,8 +400,7 @@ def redact(text: str) -> str:
 
 # --- Tasks ------------------------------------------------------------------------------------------------------------
 def read_task_spec(spec: str) -> list[tuple[str, str]]:
-    """`0-3,7,name` or `@file` -> [(entry, where it came from)], so an error can name the file's line. Needs no
-    server; whether an entry names a served task is `resolve_tasks`' job."""
+    """`0-3,7,name` or `@file` -> [(entry, where it came from)], so an error can name the file's line."""
     lines, empty = [(spec, "--tasks")], "--tasks is empty; give indices, ranges or names, e.g. 0-49,57,hello-world"
     if spec.startswith("@"):
         path = Path(spec[1:])
@@ -424,27 +423,25 @@ def read_task_spec(spec: str) -> list[tuple[str, str]]:
 def resolve_tasks(entries: list[tuple[str, str]], catalogue: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each entry's catalogue tasks; an entry that names no task is an error, never skipped."""
     by_name = {key: task for task in reversed(catalogue) for key in (task["task_id"], task["task_name"])}
-    n = len(catalogue)
-    chosen = []
+    n, chosen = len(catalogue), []
     for entry, where in entries:
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", entry)
-        if m is None and entry not in by_name:
+        if m := re.fullmatch(r"(\d+)(?:-(\d+))?", entry):
+            if (last := int(m[2] or m[1])) >= n:
+                raise UsageError(f"{where}: task index {last} is out of range: the served split has {n} tasks "
+                                 f"(0-{n - 1})")
+            chosen += catalogue[int(m[1]):last + 1]
+        elif entry in by_name:
+            chosen.append(by_name[entry])
+        else:
             close = difflib.get_close_matches(entry, list(by_name), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise UsageError(f"{where}: no task named {entry!r} in the served split ({n} tasks){hint}")
-        if m is None:
-            chosen.append(by_name[entry])
-        elif (last := int(m[2] or m[1])) >= n:
-            raise UsageError(f"{where}: task index {last} is out of range: the served split has {n} tasks (0-{n - 1})")
-        else:
-            chosen += catalogue[int(m[1]):last + 1]
     return chosen
 
 
 def task_rows(tasks: list[dict[str, Any]], split: str, harnesses: list[str]) -> list[dict[str, Any]]:
-    """One dataset row, a GRPO group (one task, one harness: its advantages compare like with like), per task and
-    harness; the harness shifts each pass, so a task does not always meet the same one. The task rides in the prompt:
-    TRL hands the session factory nothing else (its `seed` is a group counter that restarts on resume)."""
+    """A row (a GRPO group) per task and harness, the harness shifting each pass. The task rides in the prompt: TRL
+    hands the session factory nothing else."""
     return [{"prompt": [{"role": "user", "content": f"[{t['task_name']}] {t.get('instruction', '')[:2000]}",
                          "harbor_split": split, "harbor_task_index": int(t["index"]),
                          "harbor_task_name": t["task_name"], "harbor_harness": harness}]}
@@ -896,8 +893,7 @@ class RolloutScore(NamedTuple):
 
 
 def harbor_reward(outcome: Any, *, step_limit: int) -> RolloutScore | None:
-    """TRL's per-rollout reward hook: None when unscorable (left out of the group baseline). The reward TRL trains on
-    needs the whole group: `shape_group_rewards`."""
+    """TRL's per-rollout reward hook: None when unscorable (left out of the group baseline)."""
     if outcome.env_reward is None:
         return None
     turns = len(outcome.trace) or outcome.tool_call_count
@@ -905,9 +901,8 @@ def harbor_reward(outcome: Any, *, step_limit: int) -> RolloutScore | None:
 
 
 def shape_group_rewards(scores: list[RolloutScore | None], efficiency_weight: float) -> list[float | None]:
-    """c + w * gap * efficiency for solved rollouts (c > 0), c otherwise; gap: the group's smallest step between two
-    correctness levels, 0 in a group of one level. TRL's per-group normalisation erases scale, so a bonus in an
-    all-solved group would become advantages as large as a pass/fail split (docs/reward.md)."""
+    """c + w * gap * efficiency if solved (c > 0), else c; gap: the group's smallest step between correctness levels,
+    0 in a group of one level, so normalisation cannot blow a bonus up to a pass/fail split (docs/reward.md)."""
     levels = sorted({s.correctness for s in scores if s is not None})
     gap = min((b - a for a, b in zip(levels, levels[1:])), default=0.0)
     return [None if s is None else s.correctness + (efficiency_weight * gap * s.efficiency if s.correctness > 0 else 0)
@@ -2063,9 +2058,8 @@ PASS_RATE_COLUMNS = ["task", "index", "harness", "sandbox", "k", "solved", "pass
 
 def measure_pass_rates(args: argparse.Namespace, plan: dict[str, Any], tasks: list[dict[str, Any]],
                        step: int | None = None) -> list[dict[str, Any]]:
-    """--eval-k rollouts of every task (and harness) through training's session code -> pass_rates.csv, or eval.csv for
-    a held-out eval (`step`, on each row and record), a row per task measured in full. Cut short by a stop request,
-    --max-consecutive-failures or Ctrl-C, which a held-out eval raises again; --eval-only keeps what finished."""
+    """--eval-k rollouts per task and harness -> pass_rates.csv, or eval.csv for held-out eval `step`: a row per task
+    measured in full. A stop, --max-consecutive-failures or Ctrl-C (raised again in a held-out eval) cuts it short."""
     factory = HarborSessionFactory(
         **session_settings(args), sampling=training_sampling({"temperature": args.temperature}), require_tokens=False,
         # A token-capturing engine samples exactly as in training; any other (a hosted model) at the same temperature.
@@ -2075,15 +2069,14 @@ def measure_pass_rates(args: argparse.Namespace, plan: dict[str, Any], tasks: li
         label="group" if step is None else "held-out eval", record_fields=None if step is None else {"step": step})
     units = [row["prompt"] for row in task_rows(tasks, plan["split"], args.harnesses)]
     outcomes: list[list[HarborSession]] = [[] for _ in units]
-    progress = tqdm(total=len(units) * args.eval_k, unit="rollout", dynamic_ncols=True, file=sys.stderr)
 
-    def run(unit: int) -> tuple[int, HarborSession]:
+    def run(unit: int) -> None:
         session = factory.create(units[unit], unit)
         try:
             session.wait_for_completion()
             if not session._client.closed:  # closed by a stop: abandoned, no outcome
                 factory.record_outcome(session)
-            return unit, session
+                outcomes[unit].append(session)
         finally:
             session.close()
 
@@ -2099,11 +2092,9 @@ def measure_pass_rates(args: argparse.Namespace, plan: dict[str, Any], tasks: li
             finished, running = wait_futures(running, timeout=1.0, return_when=FIRST_COMPLETED)
             for future in finished:
                 try:
-                    unit, session = future.result()
-                    outcomes[unit].append(session)
+                    future.result()
                 except RolloutsFailing as exc:  # record_outcome: --max-consecutive-failures reached
                     stop_reason = str(exc)
-                progress.update(1)
             if stop_reason is None and running:
                 stop_reason = stop_requested()
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM before training
@@ -2115,7 +2106,6 @@ def measure_pass_rates(args: argparse.Namespace, plan: dict[str, Any], tasks: li
             pool.shutdown(wait=False, cancel_futures=True)
             factory.close_sessions()
         pool.shutdown(wait=True, cancel_futures=True)
-        progress.close()
     if stop_reason:
         print(redact(f"[eval] stopped early ({stop_reason})"), file=sys.stderr, flush=True)
     rows = [{"step": step, **pass_rate_row(units[unit][0], args.sandbox, sessions)}
@@ -2132,14 +2122,12 @@ def measure_pass_rates(args: argparse.Namespace, plan: dict[str, Any], tasks: li
 
 def pass_rate_row(prompt: dict[str, Any], sandbox: str, sessions: list[HarborSession]) -> dict[str, Any]:
     scored = [s.result for s in sessions if s.failure is None]
-
-    def mean(field: str) -> float | str:
-        return round(sum(getattr(r, field) for r in scored) / len(scored), 4) if scored else ""
-
+    means = {column: round(sum(getattr(r, field) for r in scored) / len(scored), 4) if scored else ""
+             for column, field in [("pass_rate", "solved"), ("mean_reward", "reward"), ("mean_turns", "n_turns"),
+                                   ("mean_wall_s", "wall_s")]}
     return {"task": prompt["harbor_task_name"], "index": prompt["harbor_task_index"],
             "harness": prompt["harbor_harness"], "sandbox": sandbox, "k": len(sessions),
-            "solved": sum(r.solved for r in scored), "pass_rate": mean("solved"), "mean_reward": mean("reward"),
-            "mean_turns": mean("n_turns"), "mean_wall_s": mean("wall_s"), "errors": len(sessions) - len(scored)}
+            "solved": sum(r.solved for r in scored), "errors": len(sessions) - len(scored), **means}
 
 
 def tally(rows: list[dict[str, Any]]) -> tuple[int, int, int]:
@@ -2155,23 +2143,22 @@ def pass_rates_by_task(rows: list[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def held_out_eval(args: argparse.Namespace, plan: dict[str, Any], step: int) -> dict[str, float]:
-    """--eval-tasks on the weights of optimizer step `step` (0: before training): eval.csv rows, eval/* metrics.
-    One cut short (a stop request, --max-consecutive-failures) logs no eval/pass_rate: a rate over another task set
-    compares with no other step's."""
+    """--eval-tasks on step `step`'s weights -> eval.csv rows and eval/* metrics; one cut short logs no eval/pass_rate:
+    a rate over another task set compares with no other step's."""
     rows = measure_pass_rates(args, plan, plan["eval_tasks"], step)
     solved, scored, errors = tally(rows)
     planned = len(plan["eval_tasks"]) * len(args.harnesses)
     metrics = {f"eval/{task}/pass_rate": rate for task, rate in pass_rates_by_task(rows).items() if rate is not None}
     metrics |= {"eval/tasks": planned, "eval/tasks_measured": len(rows)}
-    units = "tasks" if len(args.harnesses) == 1 else "task-harness pairs"
-    rate = f"{solved / scored:.2f} ({solved}/{scored})" if scored else "- (0/0)"
     if len(rows) < planned:
+        units = "tasks" if len(args.harnesses) == 1 else "task-harness pairs"
         say(f"[harbor] eval at step {step} cut short: {len(rows)} of {planned} held-out {units} measured in full, "
-            f"pass rate {rate} over those alone, not comparable with other steps: no eval/pass_rate; {errors} errors")
+            f"so no eval/pass_rate; {errors} errors")
         return metrics
     if scored:
         metrics["eval/pass_rate"] = solved / scored
         metrics["eval/mean_reward"] = sum((r["mean_reward"] or 0) * (r["k"] - r["errors"]) for r in rows) / scored
+    rate = f"{solved / scored:.2f} ({solved}/{scored})" if scored else "- (0/0)"
     say(f"[harbor] eval at step {step}: pass rate {rate} on {len(plan['eval_tasks'])} held-out tasks, {errors} errors "
         "(eval.csv)")
     return metrics
@@ -2183,18 +2170,16 @@ def whole_eval(entry: dict[str, Any]) -> bool:
 
 
 def eval_budget_s(args: argparse.Namespace, tasks: int) -> float:
-    """A held-out eval's rollouts run --max-inflight at a time, each within its rollout budget, after waiting up to
-    --harbor-retry-window for a full or restarting server."""
+    """Waves of --max-inflight rollouts, each within its rollout budget after up to --harbor-retry-window's wait."""
     waves = math.ceil(tasks * len(args.harnesses) * args.eval_k / args.max_inflight)
     return waves * (rollout_budget_s(args.agent_timeout) + args.harbor_retry_window)
 
 
 def curate(args: argparse.Namespace, source: str) -> None:
-    """Write the tasks of a pass_rates.csv whose pass rate lies inside --band as a --tasks file; print what the band
-    does to the signal: the expected fraction of GRPO groups of G whose rewards vary, 1 - p^G - (1-p)^G."""
+    """The tasks of a pass_rates.csv inside --band -> a --tasks file; prints the expected share of groups of G whose
+    rewards vary, 1 - p^G - (1-p)^G, before and after."""
     try:
-        with open(source, newline="") as f:
-            rows = list(csv.DictReader(f))
+        rows = list(csv.DictReader(Path(source).read_text().splitlines()))
     except OSError as exc:
         raise UsageError(f"--curate {source}: cannot read it ({exc.strerror}); give a pass_rates.csv written by "
                          "--eval-only, or a bare --curate to measure first") from None
@@ -2212,31 +2197,26 @@ def curate(args: argparse.Namespace, source: str) -> None:
                    f"# Source: {source}\n# Written: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by "
                    f"async_grpo_harbor.py --curate; use it as --tasks @{out}\n" + "".join(f"{t}\n" for t in inside))
 
-    def signal(tasks: list[str]) -> str:
+    def varied(tasks: list[str]) -> str:
         return f"{sum(1 - rates[t] ** g - (1 - rates[t]) ** g for t in tasks) / len(tasks):.1%}" if tasks else "-"
 
     print_table(f"curate (band {low:g}-{high:g})", {
-        "below band (never or rarely solved)": sum(p < low for p in measured.values()),
-        "inside band (kept)": len(inside),
-        "above band (always or nearly always solved)": sum(p > high for p in measured.values()),
-        "unmeasured (every rollout unscorable)": len(rates) - len(measured),
-        f"groups with reward variance, G={g}, all measured tasks": signal(list(measured)),
-        f"groups with reward variance, G={g}, curated tasks": signal(inside),
+        "tasks": f"{sum(p < low for p in measured.values())} below the band, {len(inside)} inside (kept), "
+                 f"{sum(p > high for p in measured.values())} above, {len(rates) - len(measured)} unmeasured",
+        f"groups with reward variance (G={g})": f"{varied(list(measured))} on all measured tasks, "
+                                                  f"{varied(inside)} on the curated",
         "written": f"{out} ({len(inside)} tasks)" if inside else f"{out}, listing none: --tasks @{out} is refused",
     })
 
 
-def run_measure(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
+def run_measure(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     """--eval-only, with a bare --curate after it: no trainer, no weights, no torch."""
-    print_hyperparameters(args, plan, server)
+    print_hyperparameters(args, plan)
     rows = measure_pass_rates(args, plan, plan["tasks"])
-    path = Path(args.output_dir) / "pass_rates.csv"
     solved, scored, errors = tally(rows)
     units = len(plan["tasks"]) * len(args.harnesses)
-    print_table("pass rates (solved: verifier reward > 0; errors: unscorable rollouts, left out of the rate)", {
-        **{f"{r['task']} ({r['harness']})": f"{r['solved']}/{r['k'] - r['errors']} solved, mean reward "
-           f"{r['mean_reward']}, {r['mean_turns']} turns, {r['mean_wall_s']} s, {r['errors']} errors" for r in rows},
-        "all": f"{len(rows)} of {units} tasks measured in full, {solved}/{scored} solved, {errors} errors; {path}"})
+    path = Path(args.output_dir) / "pass_rates.csv"
+    say(f"[eval] {len(rows)} of {units} tasks measured in full, {solved}/{scored} solved, {errors} errors: {path}")
     if args.curate == "" and rows:
         curate(args, str(path))
     return 0 if len(rows) == units else 1
@@ -3109,8 +3089,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     rank = launch_rank()
-    # Rank 0 alone runs the preflight and the Harbor server (TRL runs rollouts on the main process only); the others
-    # take its plan through this group of their own (training's is HarborGRPOConfig's).
+    # Rank 0 alone runs the preflight and the Harbor server (TRL's rollouts run there); the others get its plan here.
     group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
              if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     server = None if args.harbor_url or rank else EmbeddedHarborServer(args)
@@ -3124,7 +3103,7 @@ def main(argv: list[str] | None = None) -> int:
             code, plan, args.run_name, args.output_dir, args.harbor_url = shared[0]
             args.config.run_name, args.config.output_dir = args.run_name, args.output_dir
         if code is None:
-            return run_measure(args, plan, server) if args.measure else train(args, plan, server)
+            return run_measure(args, plan) if args.measure else train(args, plan)
     except KeyboardInterrupt:
         print(f"\n[harbor] interrupted; checkpoints so far are in {args.output_dir}", file=sys.stderr)
         return 130
@@ -3141,48 +3120,36 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any],
-                          server: EmbeddedHarborServer | None) -> None:
-    """The settings the preflight table above it does not show; secrets redacted."""
-    names = ["reward_key", "temperature", "agent_step_limit", "agent_timeout"]
+def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any]) -> None:
+    """The settings the preflight table does not show; secrets redacted, *_token fields hidden as transformers does."""
+    names = ["temperature", "agent_step_limit", "agent_timeout"]
     if not args.measure:
-        names += ["model", "vllm_url", "num_generations", "micro_batches_per_step", "max_staleness",
-                  "max_completion_length", "learning_rate", "max_steps", "save_steps", "efficiency_weight",
-                  "max_consecutive_failures", "report_to", "project"]
+        names += ["micro_batches_per_step", "max_staleness", "max_completion_length", "learning_rate", "max_steps",
+                  "save_steps", "efficiency_weight", "max_consecutive_failures", "report_to", "project"]
         names += ["lora_r", "lora_alpha", "use_rslora", "lora_dropout", "lora_target_modules"] if args.use_peft else []
-    # TRL fields set beyond the script's flags too; transformers hides *_token fields the same way
-    values = {name: getattr(args, name) for name in names} | args.trl
-    rows = {"harbor": args.harbor_url + (f" (started here, log {server.log_path})" if server else "")}
-    rows |= {f"--{k.replace('_', '-')}": f"<{k.upper()}>" if k.endswith("_token") else redact(str(v))
-             for k, v in values.items()}
+    values = {name: getattr(args, name) for name in names} | args.trl  # and the TRL fields set beyond these
+    rows = {f"--{k.replace('_', '-')}": f"<{k.upper()}>" if k.endswith("_token") else redact(str(v))
+            for k, v in values.items()}
     if args.measure:
         print_table("async_grpo_harbor --eval-only", rows)
         return
     evals, ranks = plan.get("eval_tasks") or [], int(os.environ.get("WORLD_SIZE", "1"))
-    held_out = (f"{len(evals)} tasks x {args.eval_k} rollouts, before training and every "
-                f"{args.eval_steps or '-'} steps")
+    held_out = f"{len(evals)} tasks x {args.eval_k} rollouts, before training and every {args.eval_steps or '-'} steps"
     if ranks > 1:
         held_out += f"; the other ranks wait up to {timedelta(seconds=eval_budget_s(args, len(evals)))} for each"
-        # the timeout HarborGRPOConfig gives training's process group, which the NCCL watchdog enforces
-        rows["ranks"] = (f"{ranks} ranks ({dist.get_backend()}), collective timeout "
-                         f"{timedelta(seconds=args.ddp_timeout)}")
+        timeout = timedelta(seconds=args.ddp_timeout)
+        rows["ranks"] = f"{ranks} ranks ({dist.get_backend()}), collective timeout {timeout}"
     print_table("async_grpo_harbor", {
-        "run name": args.run_name, "resume from": plan["resume"] or "-",
-        "tokens per micro-batch": f"{plan['max_model_len']} (vLLM max_model_len: TRL's token budget)",
-        "dtype (trainer weights)": (f"{args.dtype} base (frozen), float32 LoRA adapters" if args.use_peft
-                                    else args.dtype),
-        "checkpoints": (f"~{human_bytes(plan['checkpoint_bytes'])} each"
-                        + (" (adapter + its AdamW state)" if args.use_peft else "") if plan.get("checkpoint_bytes")
-                        else "size unknown") + f", the newest {args.save_total_limit or 'all'} kept",
+        "run name": args.run_name,
         "zero-variance groups": (f"kept out; stop after {args.max_zero_variance_groups} in a row"
                                  if args.max_zero_variance_groups else "trained (advantages 0)"),
         "held-out eval": held_out if evals else "none (--eval-tasks)", **rows,
     })
 
 
-def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
+def train(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     if launch_rank() == 0:
-        print_hyperparameters(args, plan, server)
+        print_hyperparameters(args, plan)
     if plan.get("gpu_memory_fraction"):  # vLLM shares this GPU: the trainer-memory row's cap
         torch.cuda.set_per_process_memory_fraction(plan["gpu_memory_fraction"], 0)
     trainer = build_trainer(args, plan["split"], plan["tasks"], plan)
@@ -3195,23 +3162,15 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
     except TrainingStopped as exc:
-        # The step's progress bar (stderr, no newline while it runs) still holds the line the error would join.
-        print(file=sys.stderr)
-        reason = str(exc)
-        if isinstance(exc, RolloutsFailing):
-            if server is not None and server.proc is not None and server.proc.poll() is not None:
-                reason += (f" (the Harbor server this script started exited with code {server.proc.returncode}; "
-                           f"its log: {server.log_path})")
-            reason += f". Fix the cause, then relaunch with --output-dir {args.output_dir} --resume"
-        print(f"error: training stopped: {reason}", file=sys.stderr)
+        fix = f". Fix the cause, then relaunch with --output-dir {args.output_dir} --resume"
+        # The newline ends the step's progress bar, which holds the line on stderr while it runs.
+        print(f"\nerror: training stopped: {exc}{fix if isinstance(exc, RolloutsFailing) else ''}", file=sys.stderr)
         return 1
     if trainer.stop_agreed and trainer.state.global_step < args.max_steps:
         return save_for_requeue(trainer, args)
     trainer.save_model(args.output_dir)
     saved = args.output_dir
-    if args.use_peft and trainer.accelerator.is_main_process:
-        # save_model wrote the adapter only; what serves the finished run loads whole weights. merge_and_unload
-        # folds the adapter in as every push did (rounded once to the base dtype).
+    if args.use_peft and trainer.accelerator.is_main_process:  # what serves the finished run loads whole weights
         saved = os.path.join(args.output_dir, "merged")
         merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
         merged.save_pretrained(saved)

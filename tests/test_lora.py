@@ -217,4 +217,4 @@ def test_an_enable_lora_engine_is_refused_before_any_weights_load(make_rig, tmp_
     assert "--enable-lora" in row and "untrained base" in proc.stdout
     assert "restart vLLM without --enable-lora" in proc.stdout
     # refused at the preflight: no hyper-parameter table, no trainer, no weights pushed
-    assert "tokens per micro-batch" not in proc.stdout and rig.engine_stats()["weight_version"] == 0
+    assert "\nasync_grpo_harbor\n" not in proc.stdout and rig.engine_stats()["weight_version"] == 0

@@ -137,7 +137,7 @@ def test_the_process_group_timeout_is_sized_from_the_rollout_budget(stopped_and_
 
 def test_the_same_command_resumes_every_rank_with_the_task_order_continuing(stopped_and_resumed):
     _, _, saved, files, code, resumed, out = stopped_and_resumed
-    assert re.search(rf"resume from\s+{re.escape(str(out))}/checkpoint-1\n", resumed)
+    assert re.search(rf"PASS  resume\s+{re.escape(str(out))}/checkpoint-1\n", resumed)
     # First the groups the stop left untrained, then the tasks after the last one taken.
     assert_resumed_order(saved, resumed)
     # Stopped again before any step: every rank exits 75, and the checkpoint still holds everything.

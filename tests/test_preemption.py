@@ -136,7 +136,7 @@ def test_sigterm_saves_the_finished_step_and_asks_for_a_requeue(preempted_and_re
 def test_the_same_command_ignores_a_killed_save_and_continues_exactly(preempted_and_relaunched):
     _, first, saved, relaunched, out, _ = preempted_and_relaunched
     assert relaunched.returncode == 0, relaunched.stderr[-3000:]
-    assert re.search(rf"resume from\s+{re.escape(str(out))}/checkpoint-2\n", relaunched.stdout)
+    assert re.search(rf"PASS  resume\s+{re.escape(str(out))}/checkpoint-2\n", relaunched.stdout)
     # No optimizer step lost or repeated: the relaunch ran exactly step 3, on the optimizer state of step 2.
     assert [e["step"] for e in log_history(out, 3)] == [1, 2, 3]
     assert log_history(out, 3)[:2] == saved["checkpoint-2"][1]
