@@ -1899,15 +1899,13 @@ def check_harbor_server(pf: Preflight) -> tuple[list[dict[str, Any]], dict[str, 
             pf.add("Harbor server", FAIL, f"{exc}: {''.join(last)}", "fix what its log says, or pass --harbor-url")
             return None
         args.harbor_url = server.url
-    client = HarborEnv(base_url=args.harbor_url)
     try:
-        found = client.splits(), client.capabilities()
+        with contextlib.closing(HarborEnv(base_url=args.harbor_url)) as client:
+            found = client.splits(), client.capabilities()
     except Exception as exc:  # noqa: BLE001 - any failure here means the same thing to the user
         pf.add("Harbor server", FAIL, f"Harbor server not reachable at {args.harbor_url} ({type(exc).__name__}: "
                f"{exc})", "start `openenv harbor serve ... --expose direct`, fix --harbor-url, or drop it")
         return None
-    finally:
-        client.close()
     if server is not None:
         pf.add("Harbor server", PASS, f"started {server.url} in {seconds:.0f}s (log: {server.log_path})")
     elif args.sandbox in TEMPLATE_BUILDING_SANDBOXES:
@@ -2004,13 +2002,10 @@ def check_dataset(pf: Preflight, splits: list[dict[str, Any]]) -> None:
 
 
 def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
-    client = HarborEnv(base_url=harbor_url)
-    try:
+    with contextlib.closing(HarborEnv(base_url=harbor_url)) as client:
         total = client.num_tasks(split)
         return [t.model_dump() for start in range(0, total, page)
                 for t in client.get_task_range(split, start, min(start + page, total))]
-    finally:
-        client.close()
 
 
 def check_tasks(pf: Preflight, catalogue: list[dict[str, Any]]) -> None:
@@ -2060,17 +2055,16 @@ def check_probe_rollout(pf: Preflight) -> None:
     if not args.probe_rollout:
         pf.add("reward key", SKIP, f"{key!r}: not probed (`--check --probe-rollout` runs one rollout to confirm it)")
         return
-    client = HarborServerSession(args.harbor_url, rollout_budget_s(args.agent_timeout))
     t0 = time.monotonic()
     try:
-        r = client.run_rollout(split=pf.plan["split"], task_index=int(task["index"]), harness=args.harnesses[0],
-                               sandbox=args.sandbox, reward_key=args.reward_key, agent_timeout_sec=args.agent_timeout,
-                               agent_step_limit=args.agent_step_limit, sampling={"temperature": args.temperature})
+        with contextlib.closing(HarborServerSession(args.harbor_url, rollout_budget_s(args.agent_timeout))) as client:
+            r = client.run_rollout(split=pf.plan["split"], task_index=int(task["index"]), harness=args.harnesses[0],
+                                   sandbox=args.sandbox, reward_key=args.reward_key,
+                                   agent_timeout_sec=args.agent_timeout, agent_step_limit=args.agent_step_limit,
+                                   sampling={"temperature": args.temperature})
     except Exception as exc:  # noqa: BLE001 - reported, not raised: the rest of the table still matters
         pf.add("probe rollout", FAIL, f"{task['task_name']}: {type(exc).__name__}: {exc}")
         return
-    finally:
-        client.close()
     failure = judge_rollout(r, task["task_name"], require_tokens=not args.measure, reward_key=args.reward_key)
     if failure is not None and failure.kind == "reward_key":
         pf.add("reward key", FAIL, failure.message, "pass one of those to --reward-key (a list is tried in order)")
