@@ -1230,7 +1230,7 @@ class Preflight:
         return (self.served or {}).get("weight_transfer") == "ipc"
 
     def add(self, check: str, status: str, detail: str, fix: str = "") -> bool:
-        self.rows.append((check, status, redact(detail), fix))
+        self.rows.append((check, status, redact(" ".join(detail.splitlines())), fix))  # one line, as `error:`
         return status != FAIL
 
     def amend(self, check: str, how: str, status: str | None = None, fix: str = "") -> bool:
@@ -1896,7 +1896,7 @@ def check_harbor_server(pf: Preflight) -> tuple[list[dict[str, Any]], dict[str, 
             seconds = server.start(pf.served["id"] if pf.served else "")
         except UsageError as exc:
             last = server.log_path.read_text(errors="replace").strip().splitlines()[-1:]
-            pf.add("Harbor server", FAIL, f"{exc}: {''.join(last)}", "fix what its log says, or pass --harbor-url")
+            pf.add("Harbor server", FAIL, ": ".join([str(exc), *last]), "fix what its log says, or pass --harbor-url")
             return None
         args.harbor_url = server.url
     try:
