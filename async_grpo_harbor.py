@@ -1360,16 +1360,14 @@ def check_tool_calls(pf: Preflight, report: Any) -> None:
 
 
 def check_weight_transfer(pf: Preflight) -> None:
-    backend, nccl = pf.served["weight_transfer"], "--weight-transfer-config '{\"backend\":\"nccl\"}'"
+    backend = pf.served["weight_transfer"]
     if pf.vllm_config is None:
         pf.add("weight transfer", FAIL, "vLLM's dev endpoints are off: the trainer cannot push its weights",
                "restart vLLM with VLLM_SERVER_DEV_MODE=1 in its environment")
-    elif not backend:
-        pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push its weights",
-               f"restart vLLM with {nccl}")
     elif backend not in ("nccl", "ipc"):
-        pf.add("weight transfer", FAIL, f"vLLM's weight transfer backend is {backend!r}, neither nccl nor ipc",
-               f"restart vLLM with {nccl} (a GPU of its own) or '{{\"backend\":\"ipc\"}}' and --host 127.0.0.1")
+        pf.add("weight transfer", FAIL, f"vLLM has no nccl or ipc weight transfer engine (backend {backend!r})",
+               "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}' (a GPU of its own) or "
+               "'{\"backend\":\"ipc\"}' and --host 127.0.0.1")
     elif backend == "ipc" and pf.vllm_env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") is False:
         # vLLM's ipc backend unpickles every push (its CUDA-IPC handles): it must be allowed to.
         pf.add("weight transfer", FAIL, "vLLM's ipc backend would refuse to unpickle every push",
