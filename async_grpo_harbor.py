@@ -1129,7 +1129,6 @@ def human_bytes(n: float) -> str:
 
 # --- Preflight (`--check`, and every run): refuse a setup that would train on nothing, before loading weights ---------
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
-# Where a backend's sandboxes run is said by neither openenv's capabilities nor Harbor's EnvironmentCapabilities.
 # Harbor backends whose sandboxes run off this host: they cannot reach a capture proxy advertised as 127.0.0.1.
 OFF_HOST_SANDBOXES = {"e2b", "modal", "daytona", "runloop", "langsmith", "ec2", "gke", "ack", "openshift", "novita",
                       "islo", "tensorlake", "cwsandbox", "use-computer", "cua-cloud", "blaxel", "beam", "skypilot",
@@ -1166,11 +1165,11 @@ class Preflight:
         return (self.served or {}).get("weight_transfer") == "ipc"
 
     def add(self, check: str, status: str, detail: str, fix: str = "") -> bool:
-        self.rows.append((check, status, redact(detail), fix))
+        self.rows.append((check, status, redact(" ".join(detail.splitlines())), fix))  # one line, as `error:`
         return status != FAIL
 
     def amend(self, check: str, how: str, status: str | None = None, fix: str = "") -> bool:
-        """A row judged before a later check could look: what that check found, and its status where it decides."""
+        """Appends what a later check found to an earlier row; its status and fix too where that check decides."""
         self.rows = [(c, status or s, f"{d}; {redact(how)}", fix if status else f) if c == check else (c, s, d, f)
                      for c, s, d, f in self.rows]
         return status != FAIL
@@ -1178,18 +1177,17 @@ class Preflight:
     def verdict(self) -> int | None:
         """Prints the table and one `error:` line naming the first FAIL (exit 2); else 0 after --check, else None."""
         width = max(len(row[0]) for row in self.rows)
-        pad = " " * (width + 10)
         print("\npreflight")
         for check, status, detail, fix in self.rows:
-            print(f"  {status}  {check:<{width}}  " + f"\n{pad}".join(detail.splitlines() or [""]))
+            print(f"  {status}  {check:<{width}}  {detail}")
             if fix and status in (WARN, FAIL):
-                print(f"{pad}fix: {fix}")
+                print(" " * (width + 10) + f"fix: {fix}")
         print(flush=True)
         failures = [row for row in self.rows if row[1] == FAIL]
         if failures:
             _, _, detail, fix = failures[0]
             more = len(failures) - 1
-            print(f"error: {detail.splitlines()[0]}" + (f"; {fix}" if fix else "")
+            print(f"error: {detail}" + (f"; {fix}" if fix else "")
                   + (f" (and {more} more failed check{'s' * (more > 1)} above)" if more else ""), file=sys.stderr)
             return 2
         if self.args.check:
@@ -1220,8 +1218,7 @@ def check_resume(pf: Preflight) -> None:
 
 
 def check_task_spec(pf: Preflight) -> bool:
-    """The --tasks file or spec alone, before any server is asked which of them it serves (the later tasks row)."""
-    try:
+    try:  # the --tasks file or spec alone, before any server says which tasks it serves (the later tasks row)
         read_task_spec(pf.args.tasks)
     except UsageError as exc:
         return pf.add("tasks", FAIL, str(exc))
@@ -1229,14 +1226,13 @@ def check_task_spec(pf: Preflight) -> bool:
 
 
 def http_json(url: str, timeout: float = 10.0) -> Any:
-    """TRL's VLLMClient reads /v1/models and /server_info too, but with no timeout (a port that accepts and never
-    answers hangs the preflight) and without the served model's id."""
+    # TRL's VLLMClient asks with no timeout: a port that accepts and never answers would hang the preflight.
     with urllib.request.urlopen(url, timeout=timeout) as reply:
         return json.loads(reply.read())
 
 
 def check_vllm_reachable(pf: Preflight) -> Any:
-    """What vLLM serves and says of itself, asked once for the rows after this one; returns OpenEnv's probe of it."""
+    """What vLLM serves and its resolved config (dev mode only), for the later rows; returns OpenEnv's probe of it."""
     url = pf.args.vllm_url
     try:
         served = http_json(f"{url}/v1/models")["data"][0]
@@ -1245,15 +1241,13 @@ def check_vllm_reachable(pf: Preflight) -> Any:
                "start it first (the `vllm serve` command in this script's docstring) or fix --vllm-url")
         return None
     pf.add("vLLM reachable", PASS, f"{url} serves {served['id']}")
-    # Its resolved config answers in dev mode only, like the weight-sync routes: it says what a probe can only infer,
-    # and its --weight-transfer-config decides the push backend (build_trainer follows it).
     model_config = {}
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         info = http_json(f"{url}/server_info?config_format=json")
         model_config = info["vllm_config"]["model_config"]
         pf.vllm_config, pf.vllm_env = info["vllm_config"], info.get("vllm_env") or {}
     config = pf.vllm_config or {}
-    served["weight_transfer"] = (config.get("weight_transfer_config") or {}).get("backend")
+    served["weight_transfer"] = (config.get("weight_transfer_config") or {}).get("backend")  # build_trainer follows
     served["gpu_memory_utilization"] = (config.get("cache_config") or {}).get("gpu_memory_utilization")
     served["dtype"] = str(model_config.get("dtype") or "").removeprefix("torch.") or None
     served["max_model_len"] = served.get("max_model_len") or model_config.get("max_model_len")
@@ -1268,19 +1262,18 @@ def check_served_model(pf: Preflight) -> None:
     if Path(model.rstrip("/")).name in {Path(n.rstrip("/")).name for n in (served["id"], served.get("root")) if n}:
         pf.add("served model", PASS, f"--model {model} is what vLLM serves")
     else:
-        pf.add("served model", FAIL, f"vLLM serves {served.get('root') or served['id']} but --model is {model}: "
-               "the trainer would push into another model", "serve --model with vLLM, or fix --model")
+        pf.add("served model", FAIL, f"vLLM serves {served.get('root') or served['id']} but --model is {model}",
+               "serve --model with vLLM, or fix --model")
 
 
 def check_capture_tier(pf: Preflight, report: Any) -> None:
-    """Token ids from OpenEnv's probe; processed logprobs from vLLM's --logprobs-mode where /server_info says it,
-    else measured at two temperatures (which a near-uniform model, random or tiny, leaves undecided)."""
+    """Token ids from OpenEnv's probe; processed logprobs from vLLM's /server_info in dev mode, else measured at two
+    temperatures (which a near-uniform model, random or tiny, leaves undecided)."""
     mode, fix = pf.served["logprobs_mode"], "restart vLLM with --logprobs-mode processed_logprobs"
-    wrong = "wrong importance ratios, so the proxy grades every rollout eval tier"
     if mode and mode != "processed_logprobs":
-        pf.add("capture tier", FAIL, f"vLLM's /server_info: logprobs_mode {mode}: {wrong}", fix)
+        pf.add("capture tier", FAIL, f"vLLM's /server_info: logprobs_mode {mode}: wrong importance ratios", fix)
     elif report.logprobs_mode == "raw":  # OpenEnv's probe then grades the engine eval tier whatever vLLM says
-        pf.add("capture tier", FAIL, f"the engine returns raw (pre-temperature) logprobs, measured: {wrong}", fix)
+        pf.add("capture tier", FAIL, "the engine returns raw (pre-temperature) logprobs, measured", fix)
     elif report.capture_level != "tokens":
         flags = "" if report.capture_level == "logprobs" else " --logprobs-mode processed_logprobs"
         pf.add("capture tier", FAIL, f"no token ids captured ({report.capture_level or 'nothing'}): nothing to train "
@@ -1302,25 +1295,20 @@ def check_tool_calls(pf: Preflight, report: Any) -> None:
 
 
 def check_weight_transfer(pf: Preflight) -> None:
-    backend, nccl = pf.served["weight_transfer"], "'{\"backend\":\"nccl\"}'"
+    backend = pf.served["weight_transfer"]
     if pf.vllm_config is None:
         pf.add("weight transfer", FAIL, "vLLM's dev endpoints are off: the trainer cannot push its weights",
                "restart vLLM with VLLM_SERVER_DEV_MODE=1 in its environment")
-    elif not backend:
-        pf.add("weight transfer", FAIL, "vLLM has no weight transfer engine: the trainer cannot push its weights",
-               f"restart vLLM with --weight-transfer-config {nccl}")
+    elif backend not in ("nccl", "ipc"):
+        pf.add("weight transfer", FAIL, f"vLLM has no nccl or ipc weight transfer engine (backend {backend!r})",
+               "restart vLLM with --weight-transfer-config '{\"backend\":\"nccl\"}' (a GPU of its own) or "
+               "'{\"backend\":\"ipc\"}' and --host 127.0.0.1")
     elif backend == "ipc" and pf.vllm_env.get("VLLM_ALLOW_INSECURE_SERIALIZATION") is False:
         # vLLM's ipc backend unpickles every push (its CUDA-IPC handles): it must be allowed to.
         pf.add("weight transfer", FAIL, "vLLM's ipc backend would refuse to unpickle every push",
                "restart vLLM with VLLM_ALLOW_INSECURE_SERIALIZATION=1 in its environment and --host 127.0.0.1")
-    elif backend == "ipc":
-        pf.add("weight transfer", PASS, "enabled (ipc): weights pushed as CUDA-IPC handles, vLLM on the trainer's GPU")
-    elif backend == "nccl":
-        pf.add("weight transfer", PASS, "enabled (nccl)")
     else:
-        pf.add("weight transfer", FAIL, f"vLLM's weight transfer backend is {backend!r}, neither nccl nor ipc",
-               f"restart vLLM with --weight-transfer-config {nccl} (a GPU of its own) or "
-               "'{\"backend\":\"ipc\"}' and --host 127.0.0.1 (the trainer's GPU)")
+        pf.add("weight transfer", PASS, f"enabled ({backend})")
 
 
 def url_port(url: str) -> int:
@@ -1419,32 +1407,26 @@ def check_lora_engine(pf: Preflight) -> None:
     else:
         pf.add("LoRA", PASS, f"merged sync: each push folds the r={pf.args.lora_r} adapter into the base weights")
 
-
 # What mini-swe-agent 2.4.6 shows the model of a command's output each turn (its config/mini.yaml, which Harbor's
 # install runs with `-c mini`): all of it under 10,000 characters, else the first and the last 5,000.
 MINI_SWE_AGENT_OUTPUT_CHARS = 10_000
 
 
 def check_context(pf: Preflight) -> None:
-    """Each turn adds a completion (--max-completion-length) and the command output the harness shows back, which
-    the policy's commands decide: this row counts the first and names the tokens left for the second."""
+    """The prompt and every turn's completion; the rest of the context holds the command output shown back."""
     args, max_len = pf.args, pf.served["max_model_len"]
     worst = PROMPT_TOKENS + args.agent_step_limit * args.max_completion_length
     counted = (f"~{PROMPT_TOKENS:,}-token prompt + {args.agent_step_limit} turns x {args.max_completion_length} "
                f"tokens = {worst:,}")
-    output = "the command output the harness shows back each turn"
+    shown = "the harness shows back"
     if set(args.harnesses) == {"mini-swe-agent"}:
-        output = (f"the command output mini-swe-agent shows back each turn (all of it up to "
-                  f"{MINI_SWE_AGENT_OUTPUT_CHARS:,} characters, else the first and last "
-                  f"{MINI_SWE_AGENT_OUTPUT_CHARS // 2:,})")
-    if not max_len:
-        pf.add("context", WARN, "vLLM did not report its max_model_len")
-    elif worst > max_len:
-        pf.add("context", WARN, f"{counted} > vLLM's max_model_len {max_len:,}, before {output}",
+        shown = f"(mini-swe-agent shows up to {MINI_SWE_AGENT_OUTPUT_CHARS:,} characters of each)"
+    if worst > max_len:
+        pf.add("context", WARN, f"{counted} > vLLM's max_model_len {max_len:,}",
                "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
     else:
         pf.add("context", PASS, f"{counted} fit max_model_len {max_len:,}, leaving {max_len - worst:,} tokens for "
-               f"{output}: a rollout whose commands print more ends at the context limit")
+               f"command output {shown}")
 
 
 def check_lora_targets(pf: Preflight) -> None:
@@ -1709,7 +1691,6 @@ def memory_fixes(args: argparse.Namespace, shape: TrainerShape, peak: Callable[.
 
 
 def check_credentials(pf: Preflight) -> bool:
-    """What only this process can see (its environment), before our server starts with it."""
     args, var = pf.args, SANDBOX_CREDENTIALS.get(pf.args.sandbox)
     if var and not os.environ.get(var):
         return pf.add("credentials", FAIL, f"{var} is not set: every {args.sandbox} sandbox would fail to start",
@@ -1720,47 +1701,38 @@ def check_credentials(pf: Preflight) -> bool:
     return pf.add("credentials", PASS, f"{var} set" if var else f"{args.sandbox} needs none that this script knows of")
 
 
-def pick_expose(args: argparse.Namespace) -> tuple[str, str, bool]:
-    """--harbor-expose auto: (the server's --expose, why, whether the rule knows). The harness, not the trainer,
-    calls the capture proxy, from wherever it runs."""
-    in_sandbox = ", ".join(h for h in args.harnesses if h not in HOST_SIDE_AGENTS)
-    if not in_sandbox:
-        return "direct", (f"{args.harness} runs host-side (openenv's HOST_SIDE_AGENTS): its model calls reach "
-                          "127.0.0.1 whatever the sandbox"), True
-    runs = f"{in_sandbox} runs inside the {args.sandbox} sandbox"
-    if args.sandbox in OFF_HOST_SANDBOXES:
-        runs += ", which runs off this host"
-    elif args.sandbox in OWN_NETWORK_SANDBOXES:
-        runs += ", which has its own network namespace (docker's bridge network): its 127.0.0.1 is its own"
-    else:
-        return "direct", f"{runs}; whether that reaches this host's 127.0.0.1 is not known here", False
-    if shutil.which("cloudflared"):
-        return "cloudflare", f"{runs}; cloudflared is on PATH", True
-    return "gradio", f"{runs}; no cloudflared on PATH, and gradio's tunnel ships with openenv", True
-
-
 def check_capture_url(pf: Preflight) -> bool:
-    """Before our server starts: where it advertises the capture proxy to the harness (--harbor-expose)."""
-    args = pf.args
-    picked, why, known = pick_expose(args)
+    """Before our server starts: where it advertises the capture proxy (--harbor-expose). The harness, not the
+    trainer, calls it, from wherever the harness runs."""
+    args, tunnel = pf.args, "cloudflare" if shutil.which("cloudflared") else "gradio"
+    in_sandbox = ", ".join(h for h in args.harnesses if h not in HOST_SIDE_AGENTS)
+    runs = f"{in_sandbox} runs inside the {args.sandbox} sandbox"
+    if not in_sandbox:
+        picked, why = "direct", f"{args.harness} runs host-side (openenv's HOST_SIDE_AGENTS)"
+    elif args.sandbox in OFF_HOST_SANDBOXES:
+        picked, why = tunnel, f"{runs}, which runs off this host"
+    elif args.sandbox in OWN_NETWORK_SANDBOXES:
+        picked, why = tunnel, f"{runs}, which has its own network namespace (docker's bridge network)"
+    else:
+        picked, why = "direct", f"{runs}; whether that reaches this host's 127.0.0.1 is not known here"
+    unknown = in_sandbox and picked == "direct"
     probe = "confirm with --check --probe-rollout (one real rollout), or set --harbor-expose"
     if args.harbor_expose == "auto":
         args.harbor_expose = picked
-        return pf.add("capture URL", PASS if known else WARN, f"--harbor-expose auto: {picked}. {why}", probe)
+        return pf.add("capture URL", WARN if unknown else PASS, f"--harbor-expose auto: {picked}. {why}", probe)
     if args.harbor_expose == "direct" and picked != "direct":
         return pf.add("capture URL", FAIL, f"--harbor-expose direct advertises 127.0.0.1, which the harness cannot "
                       f"reach: {why}", f"--harbor-expose {picked} (or auto)")
-    if args.harbor_expose == "cloudflare" and not shutil.which("cloudflared"):
+    if args.harbor_expose == "cloudflare" and tunnel != "cloudflare":
         return pf.add("capture URL", FAIL, "--harbor-expose cloudflare needs `cloudflared` on PATH",
                       "install cloudflared, or use --harbor-expose gradio")
-    unknown = args.harbor_expose == "direct" and not known
+    unknown = unknown and args.harbor_expose == "direct"
     return pf.add("capture URL", WARN if unknown else PASS, f"--harbor-expose {args.harbor_expose}"
                   + (f": {why}" if unknown else ""), probe)
 
 
 def check_capture_reached(pf: Preflight) -> bool:
-    """Our server started: a request through the URL it hands every sandbox (the tunnel's, when one is picked)
-    reaches its own capture proxy. Training asks again before each rollout (reach_capture)."""
+    """Our server up: the URL it hands every sandbox (the tunnel's, when one is picked) reaches its capture proxy."""
     url, fix = pf.server.public_url, "check this host's access to the tunnel's service, or pick another --harbor-expose"
     if not url:
         return pf.amend("capture URL", f"the Harbor server printed no capture URL (log: {pf.server.log_path})",
@@ -1784,25 +1756,22 @@ def check_harbor_server(pf: Preflight) -> tuple[list[dict[str, Any]], dict[str, 
         try:
             seconds = server.start(pf.served["id"] if pf.served else "")
         except UsageError as exc:
-            tail = server.log_path.read_text(errors="replace").splitlines()[-15:]
-            pf.add("Harbor server", FAIL, "\n".join([str(exc), *(f"    {line}" for line in tail)]),
-                   "fix what its log says, or pass --harbor-url")
+            last = server.log_path.read_text(errors="replace").strip().splitlines()[-1:]
+            pf.add("Harbor server", FAIL, ": ".join([str(exc), *last]), "fix what its log says, or pass --harbor-url")
             return None
         args.harbor_url = server.url
-    client = HarborEnv(base_url=args.harbor_url)
     try:
-        found = client.splits(), client.capabilities()
+        with contextlib.closing(HarborEnv(base_url=args.harbor_url)) as client:
+            found = client.splits(), client.capabilities()
     except Exception as exc:  # noqa: BLE001 - any failure here means the same thing to the user
         pf.add("Harbor server", FAIL, f"Harbor server not reachable at {args.harbor_url} ({type(exc).__name__}: "
                f"{exc})", "start `openenv harbor serve ... --expose direct`, fix --harbor-url, or drop it")
         return None
-    finally:
-        client.close()
     if server is not None:
         pf.add("Harbor server", PASS, f"started {server.url} in {seconds:.0f}s (log: {server.log_path})")
     elif args.sandbox in TEMPLATE_BUILDING_SANDBOXES:
         pf.add("Harbor server", PASS, f"{args.harbor_url} (yours: it needs HARBOR_SHARED_ENV_NAME and "
-               "OPENENV_HARBOR_AGENT_VERSIONS in its environment, docs/harbor-server.md)")
+               "OPENENV_HARBOR_AGENT_VERSIONS set, docs/harbor-server.md)")
     else:
         pf.add("Harbor server", PASS, f"{args.harbor_url} (yours)")
     return found
@@ -1847,7 +1816,7 @@ def check_servers_engine(pf: Preflight, capabilities: dict[str, Any]) -> None:
     args = pf.args
     pf.plan["llm"] = llm = capabilities.get("llm") or {}
     url, level = llm.get("url", "?"), llm.get("capture_level") or "unknown"
-    # Names are compared as given: this host cannot tell the server's localhost from ours (--allow-engine-mismatch).
+    # Compared as given: this host cannot tell the server's localhost from ours (--allow-engine-mismatch).
     engine, ours = (urllib.parse.urlsplit(u) for u in (llm.get("url", ""), args.vllm_url))
     if args.measure:
         pf.add("server's engine", PASS, f"{url}: {level} capture (measuring needs no token ids)")
@@ -1856,8 +1825,7 @@ def check_servers_engine(pf: Preflight, capabilities: dict[str, Any]) -> None:
                "restart vLLM with --return-tokens-as-token-ids --logprobs-mode processed_logprobs, then the server")
     elif (engine.hostname, engine.port) != (ours.hostname, ours.port):
         pf.add("server's engine", WARN if args.allow_engine_mismatch else FAIL, f"the Harbor server samples from {url}"
-               f", weights go to {args.vllm_url}: unless one vLLM, no rollout uses the trained weights",
-               "point both at the same vLLM, or pass --allow-engine-mismatch if they are")
+               f", the trainer pushes to {args.vllm_url}", "point both at one vLLM, or pass --allow-engine-mismatch")
     else:
         pf.add("server's engine", PASS, f"{url}: tokens, the vLLM the trainer updates")
 
@@ -1870,7 +1838,7 @@ def check_session_slots(pf: Preflight) -> None:
     try:
         for opened, session in enumerate(sessions):
             session.open()
-        pf.add("session slots", PASS, f">= {needed} free (--max-inflight, x2 with --eval-tasks)")
+        pf.add("session slots", PASS, f">= {needed} free")
     except (OSError, RuntimeError) as exc:
         pf.add("session slots", FAIL, f"only {opened} free session slots of the {needed} --max-inflight (x2 with "
                f"--eval-tasks) needs ({exc})", f"restart the Harbor server with MAX_CONCURRENT_ENVS={2 * needed}")
@@ -1895,13 +1863,10 @@ def check_dataset(pf: Preflight, splits: list[dict[str, Any]]) -> None:
 
 
 def fetch_catalogue(harbor_url: str, split: str, page: int = 500) -> list[dict[str, Any]]:
-    client = HarborEnv(base_url=harbor_url)
-    try:
+    with contextlib.closing(HarborEnv(base_url=harbor_url)) as client:
         total = client.num_tasks(split)
         return [t.model_dump() for start in range(0, total, page)
                 for t in client.get_task_range(split, start, min(start + page, total))]
-    finally:
-        client.close()
 
 
 def check_tasks(pf: Preflight, catalogue: list[dict[str, Any]]) -> None:
@@ -1932,19 +1897,15 @@ def check_eval_tasks(pf: Preflight, catalogue: list[dict[str, Any]]) -> None:
 
 # e2b refuses a lifetime beyond the plan's with a plain SandboxException (400), told apart by its text alone.
 E2B_LIFETIME_REFUSED = "Timeout cannot be greater than"
-# A sandbox provider's plan refusing Harbor's sandboxes, as a rollout's result holds it: Harbor records the e2b SDK's
-# exception type (e2b/api/__init__.py maps the API's HTTP status to it) and message as exception_type and error.
+# A sandbox plan refusing Harbor's sandboxes, by the e2b SDK exception type Harbor records: (what it did, the fix).
 PLAN_REFUSALS = {
-    "RateLimitException": ("refused another sandbox (429): the plan's concurrent-sandbox limit (or its start rate) is "
-                           "reached", "lower --max-inflight to the plan's concurrent sandboxes (e2b: 20 on Hobby, "
-                           "100 on Pro) less those other runs hold, or raise the plan's limit"),
+    "RateLimitException": ("refused another sandbox (429): the plan's concurrent-sandbox limit",
+                           "lower --max-inflight"),
     "ServiceBusyException": ("had no capacity for a sandbox (503)", "retry later; nothing was started"),
     "AuthenticationException": ("refused the API key (401)", "set a valid E2B_API_KEY where the Harbor server runs"),
-    "SandboxNotRunningException": ("ended the sandbox mid-rollout (killed, or its lifetime ran out)",
-                                   "lower --agent-timeout to fit the plan's sandbox lifetime"),
-    E2B_LIFETIME_REFUSED: ("refused the sandbox's lifetime (400): Harbor asks 24 h for every e2b sandbox (harbor "
-                           "0.25), beyond the plan's cap", "a plan whose sandboxes may live 24 h (e2b Pro; Hobby caps "
-                           "them at 1 h)"),
+    "SandboxNotRunningException": ("ended the sandbox mid-rollout", "lower --agent-timeout to the plan's lifetime"),
+    E2B_LIFETIME_REFUSED: ("refused the sandbox's lifetime (400): Harbor asks 24 h for every e2b sandbox",
+                           "a plan whose sandboxes may live 24 h (e2b Pro)"),
 }
 
 
@@ -1955,17 +1916,16 @@ def check_probe_rollout(pf: Preflight) -> None:
     if not args.probe_rollout:
         pf.add("reward key", SKIP, f"{key!r}: not probed (`--check --probe-rollout` runs one rollout to confirm it)")
         return
-    client = HarborServerSession(args.harbor_url, rollout_budget_s(args.agent_timeout))
     t0 = time.monotonic()
     try:
-        r = client.run_rollout(split=pf.plan["split"], task_index=int(task["index"]), harness=args.harnesses[0],
-                               sandbox=args.sandbox, reward_key=args.reward_key, agent_timeout_sec=args.agent_timeout,
-                               agent_step_limit=args.agent_step_limit, sampling={"temperature": args.temperature})
+        with contextlib.closing(HarborServerSession(args.harbor_url, rollout_budget_s(args.agent_timeout))) as client:
+            r = client.run_rollout(split=pf.plan["split"], task_index=int(task["index"]), harness=args.harnesses[0],
+                                   sandbox=args.sandbox, reward_key=args.reward_key,
+                                   agent_timeout_sec=args.agent_timeout, agent_step_limit=args.agent_step_limit,
+                                   sampling={"temperature": args.temperature})
     except Exception as exc:  # noqa: BLE001 - reported, not raised: the rest of the table still matters
         pf.add("probe rollout", FAIL, f"{task['task_name']}: {type(exc).__name__}: {exc}")
         return
-    finally:
-        client.close()
     failure = judge_rollout(r, task["task_name"], require_tokens=not args.measure, reward_key=args.reward_key)
     if failure is not None and failure.kind == "reward_key":
         pf.add("reward key", FAIL, failure.message, "pass one of those to --reward-key (a list is tried in order)")
@@ -1987,9 +1947,8 @@ def check_probe_rollout(pf: Preflight) -> None:
 
 
 def preflight(args: argparse.Namespace, server: EmbeddedHarborServer | None = None) -> tuple[int | None, dict]:
-    """Every row in the order `--check` prints them; returns Preflight.verdict's exit code and the plan training takes.
-    The rows that need no server run whatever the servers say, so one table shows every local problem even while
-    vLLM is down; a row whose input an earlier FAIL took away is left out."""
+    """Every row in the order `--check` prints them: (Preflight.verdict's exit code, the plan training takes). The
+    rows that need no server run even while vLLM is down; a row whose input an earlier FAIL took away is left out."""
     pf, training = Preflight(args, server), not args.measure
     check_output_dir(pf)
     if training and pf.writable:

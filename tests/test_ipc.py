@@ -72,8 +72,7 @@ def test_a_shared_card_engine_passes_the_check_and_says_so(ipc_rig, tmp_path):
     proc = run_main([*ipc_rig.base_args(), "--tasks", "coin", "--output-dir", "out", "--check"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = table(proc.stdout)
-    assert rows["weight transfer"] == ("PASS", "enabled (ipc): weights pushed as CUDA-IPC handles, vLLM on the "
-                                                "trainer's GPU")
+    assert rows["weight transfer"] == ("PASS", "enabled (ipc)")
     port = ipc_rig.engine_url.rsplit(":", 1)[1]
     assert rows["vLLM on loopback"] == ("PASS", f"vLLM listens on 127.0.0.1 port {port} only")
     assert rows["same GPU"][0] == "SKIP" and rows["trainer GPU"][0] == "SKIP"  # no CUDA here
