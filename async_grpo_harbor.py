@@ -831,13 +831,11 @@ class HarborSessionFactory(ResourceSessionFactory):
 
     def reach_capture(self) -> None:
         """No paid sandbox starts for a harness that could reach no model: the capture proxy answers where they do."""
-        what = f"the capture proxy at {self.capture_url}"
         try:
-            health = http_json(f"{self.capture_url}/health", timeout=30) if self.capture_url else {"status": "ok"}
+            if self.capture_url:
+                http_json(f"{self.capture_url}/health", timeout=30)
         except (OSError, ValueError) as exc:
-            raise CaptureLost(what, f"{type(exc).__name__}: {exc}") from exc
-        if not isinstance(health, dict) or health.get("status") != "ok":
-            raise CaptureLost(what, f"/health answered {str(health)[:200]}")
+            raise CaptureLost(f"the capture proxy at {self.capture_url}", f"{type(exc).__name__}: {exc}") from exc
 
     def outage(self, exc: ServerLost | None) -> float:
         """Seconds left of the run's one outage window: from the first `exc` to the first call answered (None)."""
