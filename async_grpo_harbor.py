@@ -451,16 +451,24 @@ def task_rows(tasks: list[dict[str, Any]], split: str, harnesses: list[str]) -> 
 
 # --- Session factory: one Harbor rollout per TRL session --------------------------------------------------------------
 def rollout_budget_s(agent_timeout: float) -> float:
-    """How long one rollout may take: the agent's timeout (0: the task's own, at most an hour), setup, verification."""
+    """The agent's timeout (0: the task's own, at most an hour), plus setup and verification."""
     return (agent_timeout or 3600.0) + 1800.0
 
 
 class ServerLost(ConnectionError):
-    """The Harbor server stopped answering, or no longer knows our session: the rollout's sandbox went with it."""
+    """`what` (the Harbor server; CaptureLost: the capture proxy) does not answer: the rollout's sandbox is gone."""
+
+    def __init__(self, what: str, why: str):
+        super().__init__(f"{what}: {why}")
+        self.what, self.why = what, why
 
 
 class CaptureLost(ServerLost):
     """The capture proxy does not answer at the URL every sandbox is given: a harness started now reaches no model."""
+
+
+class SessionLost(RuntimeError):
+    """The Harbor server answers, but no longer knows our session (it restarted): its sandbox went with it."""
 
 
 class ServerFull(RuntimeError):
@@ -475,10 +483,8 @@ class Failure(NamedTuple):
 
 
 SERVER_GONE = "server_unreachable"  # the failure kind that stops the run at once
-# The agent ends the policy brings about itself, trained at the verifier's reward (Harbor verifies after any
-# AgentTimeoutError or NonZeroAgentExitCodeError: harbor/trial/single_step.py): it looped until --agent-timeout, or
-# talked past the context or the output cap. Any other end is the harness or the inference path failing (a plain
-# NonZeroAgentExitCodeError is how mini-swe-agent reports a vLLM that answers 5xx or is gone): not the policy's reward.
+# The agent ends the policy brings about itself, trained at the verifier's reward (Harbor verifies after them); any
+# other end is the harness or the inference path failing (mini-swe-agent exits so on a vLLM 5xx).
 POLICY_EXITS = {"AgentTimeoutError": "timeout", "ContextWindowExceededError": "context_window",
                 "OutputTokenExceededError": "output_tokens"}
 
@@ -492,7 +498,7 @@ def agent_exit(r: HarborRolloutResult) -> str | None:
 
 def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, reward_key: str) -> Failure | None:
     """Why a finished rollout cannot be trained on (None: it can), for training, --eval-only and the probe alike."""
-    if r.reward is None and r.rewards:  # the server reports it as an error too (ok=False)
+    if r.reward is None and r.rewards:
         return Failure("reward_key", f"--reward-key {reward_key or 'reward'!r} is not emitted by {task}; it emits: "
                                      f"{', '.join(sorted(r.rewards))}")
     exit_kind = agent_exit(r)
@@ -502,19 +508,18 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
         return Failure("capture", f"the agent ended with {r.exception_type} and its capture is not trainable ({why})")
     budget = next((x for x in r.findings if "context_budget_exhausted" in x), None)
     if exit_kind is None and budget and "no_turns" in (r.error or ""):
-        # vLLM refuses a call whose prompt + max_tokens exceed its context (HTTP 400); the proxy turns that into a stop
-        # the agent obeys, and the rollout's own error then blames the base URL.
+        # vLLM refuses a first call past its context (HTTP 400); the rollout's own error then blames the base URL.
         return Failure("context", f"vLLM refused the agent's first call as too long for its context ({budget[:240]}): "
                                   "the Harbor server's --max-output-tokens (this script's --max-completion-length) "
                                   "plus the task's prompt must fit vLLM's --max-model-len")
     if exit_kind is None and r.reward is not None and r.exception_type:
-        return Failure(r.exception_type, f"{r.exception_type}: the agent's harness or its engine failed, so the "
-                                         f"verifier's reward {r.reward:g} is not the policy's: {r.error}")
+        return Failure(r.exception_type, f"{r.exception_type}: the agent's harness or its engine failed, its reward "
+                                         f"is not the policy's: {r.error}")
     if exit_kind is None:
         return Failure(r.exception_type or "error", f"{r.exception_type or 'error'}: {r.error}")
     if r.rollout_type != "train" and require_tokens:
-        return Failure("eval_tier", "the engine returned no token ids / processed logprobs (eval tier): restart vLLM "
-                                    "with --return-tokens-as-token-ids --logprobs-mode processed_logprobs")
+        return Failure("eval_tier", "the engine returned no token ids (eval tier): restart vLLM with "
+                                    "--return-tokens-as-token-ids --logprobs-mode processed_logprobs")
     fatal = next((x for x in r.findings if "[FATAL" in x), None)
     if fatal:
         return Failure("capture", f"capture finding {fatal}")
@@ -522,12 +527,11 @@ def judge_rollout(r: HarborRolloutResult, task: str, *, require_tokens: bool, re
 
 
 class HarborServerSession:
-    """One session slot on `openenv harbor serve`, over HTTP MCP: `open()` takes it and `close()` frees it, in the
-    thread that uses it; `cut()`, from any thread, ends the call in flight at once. Not `HarborEnv`'s websocket: the
-    server reads its close only once the running rollout returns, leaving the next run "Server at capacity"."""
+    """A session slot on the Harbor server over HTTP MCP; `cut()`, from any thread, ends the call in flight. Not
+    HarborEnv's websocket, whose close the server reads only once the rollout returns: the next run finds it full."""
 
     def __init__(self, base_url: str, timeout_s: float):
-        self.url, self.timeout_s = urllib.parse.urlsplit(base_url), timeout_s
+        self.base_url, self.url, self.timeout_s = base_url, urllib.parse.urlsplit(base_url), timeout_s
         self.session_id: str | None = None
         self.closed = False
         self._lock = threading.Lock()  # between a call publishing its socket and cut() shutting it
@@ -537,8 +541,7 @@ class HarborServerSession:
         if self.session_id is None:
             self.session_id = self._post("openenv/session/create", {})["session_id"]
 
-    def run_rollout(self, **kwargs: Any) -> HarborRolloutResult:
-        """HarborEnv's own wire contract on this session (a HarborEnv builds an httpx client a rollout never uses)."""
+    def run_rollout(self, **kwargs: Any) -> HarborRolloutResult:  # HarborEnv's own wire contract, on this session
         self.open()
         return HarborEnv.run_rollout(self, **kwargs)
 
@@ -550,8 +553,7 @@ class HarborServerSession:
 
     def close(self) -> None:
         session_id, self.session_id = self.session_id, None
-        # Failing: the server is gone (its slots went with it) or already dropped the session.
-        with contextlib.suppress(OSError, RuntimeError, ValueError):
+        with contextlib.suppress(OSError, RuntimeError, ValueError):  # the server is gone, or dropped it already
             if session_id is not None:
                 self._post("openenv/session/close", {"session_id": session_id}, timeout_s=10)
 
@@ -568,23 +570,21 @@ class HarborServerSession:
         body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
         try:
             conn.connect()
-            # A rollout is one request silent for minutes: without keepalive a NAT on the way drops it unseen.
+            # A rollout is one request silent for minutes: keepalive keeps a NAT from dropping it unseen, and finds
+            # a vanished host in 90 s, not Linux's default 2 h 11 min.
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            # Linux's defaults (2 h idle, 9 probes 75 s apart) would find a vanished host only after ~12 minutes.
-            for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
-                if hasattr(socket, option):
-                    conn.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+            for option, value in ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 6)):
+                conn.sock.setsockopt(socket.IPPROTO_TCP, option, value)
             with self._lock:
                 if cut and self.closed:
                     raise RuntimeError("session closed")
-                if cut:
-                    self._waiting = conn.sock
+                self._waiting = conn.sock if cut else None
             conn.request("POST", f"{self.url.path.rstrip('/')}/mcp", body, {"Content-Type": "application/json"})
             reply = json.loads(conn.getresponse().read() or b"{}")
         except (OSError, http.client.HTTPException) as exc:
             if isinstance(exc, TimeoutError) and exc.errno is None:
                 raise  # our own timeout: the rollout outlived its budget, the server may well be up
-            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+            raise ServerLost(f"the Harbor server at {self.base_url}", f"{type(exc).__name__}: {exc}") from exc
         finally:
             if cut:
                 self._waiting = None
@@ -593,25 +593,20 @@ class HarborServerSession:
         if not error:
             return reply.get("result")
         message = f"harbor server: {method}: {error.get('message', error)}"
-        # openenv 0.10's http_server: a full server's reply is the only one with max_sessions data; a session it never
-        # created (or lost in a restart) is "Unknown session_id".
-        if "max_sessions" in (error.get("data") or {}):
+        if "max_sessions" in (error.get("data") or {}):  # openenv 0.10's http_server: only a full server's reply
             raise ServerFull(message)
-        if str(error.get("message", "")).startswith("Unknown session_id"):
-            raise ServerLost(message)
-        raise RuntimeError(message)
+        kind = SessionLost if str(error.get("message", "")).startswith("Unknown session_id") else RuntimeError
+        raise kind(message)
 
 
-# Sandboxes that build a task's template on its first use, where rollouts starting together race the build (see
-# SHARED_TEMPLATE_NAME): the first rollout of a process (it takes FIRST_ROLLOUT for good) starts alone.
+# Sandboxes that build a task's template on first use, racing rollouts that start together (SHARED_TEMPLATE_NAME): a
+# process's first rollout (it takes FIRST_ROLLOUT for good) starts alone.
 TEMPLATE_BUILDING_SANDBOXES = {"e2b"}
 FIRST_ROLLOUT, FIRST_ROLLOUT_ENDED = threading.Lock(), threading.Event()
 
 
 class HarborSession(ResourceSession):
-    """One rollout, as OpenEnv's `TrainableSession`: `wait_for_completion()` runs it in a server session of its own,
-    `fetch_training_trace()` hands TRL the validated capture, `verify()` the verifier's reward. A failed rollout is
-    unscorable, never fatal; a rollout its server lost starts again in a new session."""
+    """One rollout, as OpenEnv's `TrainableSession`, run by `wait_for_completion()` in a server session of its own."""
 
     def __init__(self, factory: HarborSessionFactory, prompt: list[dict[str, Any]], group: int | None):
         self._factory, self._prompt, self.group = factory, prompt, group
@@ -622,7 +617,7 @@ class HarborSession(ResourceSession):
         self.result: HarborRolloutResult | None = None
         self.failure: Failure | None = None
         self.started = 0.0
-        self.retries = 0  # times this rollout started again in a new session, its first one lost to the server
+        self.retries = 0  # times this rollout started again in a new session, the server having lost its sandbox
 
     def initial_messages(self) -> list[dict[str, Any]]:
         return list(self._prompt)
@@ -640,21 +635,24 @@ class HarborSession(ResourceSession):
                 self.close()
                 return 1
             f.running.add(self)
+        gated = f.sandbox in TEMPLATE_BUILDING_SANDBOXES
+        first = gated and FIRST_ROLLOUT.acquire(blocking=False)
         try:
-            alone = f.sandbox not in TEMPLATE_BUILDING_SANDBOXES or FIRST_ROLLOUT.acquire(blocking=False)
-            while not alone and not FIRST_ROLLOUT_ENDED.wait(1.0):
+            while gated and not first and not FIRST_ROLLOUT_ENDED.wait(1.0):
                 if self._stopped.is_set():
                     return 1
             self.failure = self._run()
             return 0 if self.failure is None and self.result is not None else 1
         finally:
-            FIRST_ROLLOUT_ENDED.set()
+            if first:  # only the first rollout's end lets the others start, not that of one stopped while waiting
+                FIRST_ROLLOUT_ENDED.set()
             self._client.close()  # this thread alone takes and frees the slot: none is left behind
             with f.running_changed:
                 f.running.discard(self)
                 f.running_changed.notify_all()
 
     def _run(self) -> Failure | None:
+        """Unscorable, never fatal; a rollout whose sandbox the server lost starts again in a new session."""
         f, client = self._factory, self._client
         self.started = time.time()
         # The proxy takes a training policy only from an engine it captures tokens from; any engine takes an eval one.
@@ -663,10 +661,8 @@ class HarborSession(ResourceSession):
         while not self._stopped.is_set():
             try:
                 f.reach_capture()
-                if self._stopped.is_set():  # stopped while the tunnel answered (up to its 30 s timeout)
-                    return None
                 client.open()
-                f.server_answered()
+                f.outage(None)
                 self.retries, lost = self.retries + lost, False
                 self.result = client.run_rollout(
                     split=self._prompt[0]["harbor_split"], task_index=self.task_index, harness=self.harness,
@@ -674,22 +670,23 @@ class HarborSession(ResourceSession):
                     agent_step_limit=f.agent_step_limit, **policy)
                 return judge_rollout(self.result, self.task_name, require_tokens=f.require_tokens,
                                      reward_key=f.reward_key)
+            except SessionLost:
+                lost, wait = True, backoff  # the server answers: no outage, only a new session
             except ServerLost as exc:
-                # Its sandbox went with the session: the rollout starts again in a new one once the server answers,
-                # within one window for the whole run, never counted toward --max-consecutive-failures.
                 if self._stopped.is_set():
                     return None
                 lost = lost or not isinstance(exc, CaptureLost)  # a rollout the capture check held never started
-                wait = min(backoff, f.server_lost(exc))
+                wait = min(backoff, f.outage(exc))
                 if wait <= 0:
-                    return Failure(SERVER_GONE, f.gone(exc))
+                    return Failure(SERVER_GONE, f"{exc.what} has not answered for {f.retry_window_s:g}s "
+                                                f"(last: {exc.why})")
             except ServerFull as exc:
-                f.server_answered()
+                f.outage(None)
                 full_since = full_since or time.monotonic()
                 wait = min(backoff, full_since + f.retry_window_s - time.monotonic())
                 if wait <= 0:
-                    return Failure("server_full", f"harbor server call failed: {exc} (raise MAX_CONCURRENT_ENVS on "
-                                                  "the Harbor server to >= 2 x --max-inflight)")
+                    return Failure("server_full", f"{exc}: raise MAX_CONCURRENT_ENVS on the Harbor server to >= 2 x "
+                                                  "--max-inflight")
             except Exception as exc:  # noqa: BLE001 - this rollout's failure, not the server's: judged unscorable
                 return Failure("transport", f"harbor server call failed: {type(exc).__name__}: {exc}")
             self._stopped.wait(wait)
@@ -719,8 +716,7 @@ class HarborSession(ResourceSession):
 
 
 class HarborSessionFactory(ResourceSessionFactory):
-    """One `HarborSession` per rollout; built in TRL's rollout child as `factory(sampling=...)`, `sampling` being the
-    trainer's own policy. `capture_url`: the capture proxy as every sandbox reaches it ("": a server of yours)."""
+    """Built in TRL's rollout child, `sampling` being the trainer's policy. `capture_url`: "" for a server of yours."""
 
     def __init__(self, *, harbor_url: str, harness: str, sandbox: str, reward_key: str, agent_step_limit: int,
                  agent_timeout_s: float, max_consecutive_failures: int, retry_window_s: float = 300.0,
@@ -740,35 +736,33 @@ class HarborSessionFactory(ResourceSessionFactory):
         self._consecutive_failures = 0
         self._outage_since: float | None = None  # since when the server or the capture proxy has not answered
         self.running: set[HarborSession] = set()  # inside wait_for_completion: each may hold a server slot
-        self.running_changed = threading.Condition()  # never taken by the main thread, where _abandon runs
+        self.running_changed = threading.Condition()  # never taken by the main thread, where abandon runs
         self.closing = False
         if multiprocessing.parent_process() is not None and threading.current_thread() is threading.main_thread():
             self._leave_with_trainer()
 
     def _leave_with_trainer(self) -> None:
-        """In TRL's rollout child: leave only through the trainer, every server slot freed. Ctrl-C and SLURM signal the
-        whole process group; a child whose trainer died (SIGKILL, OOM) would go on starting paid sandboxes."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the trainer's stop request; it stops us when it is ready
-        signal.signal(signal.SIGTERM, lambda signum, frame: self._abandon(128 + signum))
+        """In TRL's rollout child: leave only through the trainer or with it (SIGKILL, OOM), every slot freed."""
         import multiprocessing.connection
+
+        def abandon(signum: int, frame: Any) -> None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one would exit before the slots below are free
+            self.close_sessions()
+            with self.running_changed:
+                self.running_changed.wait_for(lambda: not self.running, timeout=10.0)
+            os._exit(128 + signum)
 
         def watch(trainer=multiprocessing.parent_process().sentinel) -> None:  # reads as closed once it is gone
             multiprocessing.connection.wait([trainer])
-            os.kill(os.getpid(), signal.SIGTERM)  # _abandon, in the main thread: no rollout starts meanwhile
+            os.kill(os.getpid(), signal.SIGTERM)  # abandon, in the main thread: no rollout starts meanwhile
 
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the trainer's stop request; it stops us when it is ready
+        signal.signal(signal.SIGTERM, abandon)
         threading.Thread(target=watch, name="harbor-trainer-watch", daemon=True).start()
 
-    def _abandon(self, exit_code: int) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one would exit before the slots below are free
-        self.close_sessions()
-        with self.running_changed:
-            self.running_changed.wait_for(lambda: not self.running, timeout=10.0)
-        os._exit(exit_code)
-
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:
-        # `seed` is TRL's group counter: only a label here, the task itself comes from the prompt.
-        return HarborSession(self, list(task), seed)
+        return HarborSession(self, list(task), seed)  # `seed`: TRL's group counter, a label; the prompt is the task
 
     def close_sessions(self) -> None:
         """Stop every running rollout (each frees its slot as it ends) and every one that would start from now on."""
@@ -784,81 +778,60 @@ class HarborSessionFactory(ResourceSessionFactory):
     def reach_capture(self) -> None:
         """No paid sandbox starts for a harness that could reach no model: the capture proxy answers where they do."""
         try:
-            health = http_json(f"{self.capture_url}/health", timeout=30) if self.capture_url else {"status": "ok"}
+            if self.capture_url:
+                http_json(f"{self.capture_url}/health", timeout=30)
         except (OSError, ValueError) as exc:
-            raise CaptureLost(f"{type(exc).__name__}: {exc}") from exc
-        if not isinstance(health, dict) or health.get("status") != "ok":
-            raise CaptureLost(f"/health answered {str(health)[:200]}")
+            raise CaptureLost(f"the capture proxy at {self.capture_url}", f"{type(exc).__name__}: {exc}") from exc
 
-    def server_lost(self, exc: ServerLost) -> float:
-        """Seconds left before the run gives up on the server (or the capture proxy): one window for the whole run,
-        from the first call that found it gone to the first that finds it back, however many rollouts wait."""
-        now, window = time.monotonic(), f"for at most {self.retry_window_s:g}s (--harbor-retry-window)"
+    def outage(self, exc: ServerLost | None) -> float:
+        """Seconds left of the run's one outage window: from the first `exc` to the first call answered (None)."""
+        now = time.monotonic()
         with self._lock:
-            first, self._outage_since = self._outage_since is None, self._outage_since or now
-            since, waiting = self._outage_since, sum(s.result is None for s in list(self.running))
-        if first and isinstance(exc, CaptureLost):
-            self._say(f"[harbor] the capture proxy is not answering at {self.capture_url}, the URL every sandbox is "
-                      f"given ({exc}): its tunnel or the proxy is down or too slow; no rollout starts until it "
-                      f"answers, {window}")
-        elif first:
-            self._say(f"[harbor] the Harbor server at {self.harbor_url} is not answering ({exc}) with {waiting} "
-                      f"rollouts in flight: they start again in new sessions when it is back, {window}")
-        return since + self.retry_window_s - now
-
-    def gone(self, exc: ServerLost) -> str:
-        if not isinstance(exc, CaptureLost):
-            return f"the Harbor server at {self.harbor_url} has not answered for {self.retry_window_s:g}s (last: {exc})"
-        return (f"the capture proxy has not answered at {self.capture_url}, the URL every sandbox is given, for "
-                f"{self.retry_window_s:g}s (last: {exc}): its tunnel or the proxy died, and openenv cannot reopen "
-                "either; a relaunch starts a new server and tunnel")
-
-    def server_answered(self) -> None:
-        with self._lock:
-            since, self._outage_since = self._outage_since, None
-        if since is not None:
-            self._say(f"[harbor] the Harbor server answers again after {time.monotonic() - since:.0f}s (its capture "
-                      "proxy too, where asked); rollouts it lost start again in new sessions")
+            since = self._outage_since
+            self._outage_since = None if exc is None else since or now
+            waiting = sum(s.result is None for s in list(self.running))
+        if exc is None and since is not None:
+            self._say(f"[harbor] the Harbor server answers again after {now - since:.0f}s")
+        elif exc is not None and since is None:
+            self._say(f"[harbor] {exc.what} is not answering ({exc.why}) with {waiting} rollouts in flight: they "
+                      f"start again once it answers, within {self.retry_window_s:g}s (--harbor-retry-window)")
+        return (since or now) + self.retry_window_s - now
 
     def record_outcome(self, session: HarborSession) -> None:
-        """The rollout's record (rollouts.jsonl), metrics (onto TRL's queue) and console line; a lost server or a run of
-        unscorable rollouts stops the run (RolloutsFailing: the stop TRL lets out of `fetch_training_trace()`)."""
+        """Its record, metrics and line; RolloutsFailing (which TRL lets out) for a lost server or too many failures."""
         failure, r, harness = session.failure, session.result, session.harness
-        scored = failure is None  # then `r` is the verified result
-        label = f"{self.label} {session.group} task {session.task_index} ({session.task_name})"
         with self._lock:
-            self._consecutive_failures = 0 if scored else self._consecutive_failures + 1
+            self._consecutive_failures = 0 if failure is None else self._consecutive_failures + 1
             count = self._consecutive_failures
         record = {"time": time.time(), **self.record_fields, "group": session.group, "task": session.task_name,
                   "index": session.task_index, "harness": harness, "sandbox": self.sandbox,
-                  "reward": r.reward if scored else None, "turns": r.n_turns if r else 0,
+                  "reward": r.reward if failure is None else None, "turns": r.n_turns if r else 0,
                   "wall_s": r.wall_s if r else 0.0, "budget_stops": r.budget_stop_count if r else 0,
-                  "phases": dict(r.phase_timings) if r else {}, "error": failure.kind if failure else None,
+                  "error": failure.kind if failure else None,
                   "failure": redact(failure.message[:300]) if failure else None, "started": session.started,
                   "retries": session.retries, "trial": (r.trial_name or None) if r else None,
-                  "exit": agent_exit(r) if scored else None}
+                  "exit": agent_exit(r) if failure is None else None}
         if self.record_path:
             with self._lock, open(self.record_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         self._push_metrics(record)
+        label = f"{self.label} {session.group} task {session.task_index} ({session.task_name})"
         retried = f", restarted {session.retries}x in a new session" if session.retries else ""
-        if scored:
-            phases = "".join(f", {name} {seconds:.1f}s" for name, seconds in r.phase_timings.items())
+        if failure is None:
             stops = f", {r.budget_stop_count} budget stops" if r.budget_stop_count else ""
             ended = f", agent {record['exit']}" if not r.ok else ""
             self._say(f"[harbor] {label}: reward {r.reward:g} in {r.n_turns} turns, {r.wall_s:.1f}s, harness "
-                      f"{harness}{phases}{stops}{ended}{retried}")
+                      f"{harness}{stops}{ended}{retried}")
         elif failure.kind == SERVER_GONE:
             raise RolloutsFailing(redact(failure.message))
         else:
-            self._say(f"[harbor] {label}: unscorable: {failure.message[:300]} (harness {harness}{retried})")
-        if not scored and count >= self.max_consecutive_failures:
+            self._say(f"[harbor] {label}: unscorable: {record['failure']} (harness {harness}{retried})")
+        if failure and count >= self.max_consecutive_failures:
             raise RolloutsFailing(redact(f"{count} consecutive rollouts were unscorable; the last: "
                                          f"{failure.message[:500]}"))
 
     def _push_metrics(self, record: dict[str, Any]) -> None:
-        """Onto TRL's metric queue, which the trainer reduces by name into each step's log: a `_total` summed over the
-        step, a (numerator, denominator) pair as a rate."""
+        """Onto TRL's metric queue, reduced by name into each step's log: a `_total` summed, a (sum, count) a rate."""
         if self.metrics_queue is None:
             return
         m = {"harbor/rollouts_total": 1.0, "harbor/errors_total": float(record["error"] is not None),
@@ -868,7 +841,6 @@ class HarborSessionFactory(ResourceSessionFactory):
         else:  # TRL's rollout/turns_mean and rollout/duration_s also average the unscorable rollouts, at 0 turns
             m |= {"harbor/solve_rate": (float(record["reward"] > 0), 1.0),
                   "harbor/wall_s_mean": (record["wall_s"], 1.0), "harbor/turns_mean": (float(record["turns"]), 1.0)}
-            m |= {f"harbor/phase_s/{name}": (seconds, 1.0) for name, seconds in record["phases"].items()}
             if record["exit"] != "ok":
                 m[f"harbor/agent_exits/{record['exit']}_total"] = 1.0
         if self.split_by_harness:
@@ -921,20 +893,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# The harness version the Harbor server this script starts installs in each sandbox: the one the tests run
-# (tests/requirements-server.txt), not the newest on the day. The user's OPENENV_HARBOR_AGENT_VERSIONS (openenv's own
-# switch: a JSON object of harness name -> exact version) wins per harness.
+# The harness version our server installs in each sandbox: the one the tests run (tests/requirements-server.txt), not
+# the newest on the day. The user's OPENENV_HARBOR_AGENT_VERSIONS (openenv's own JSON switch) wins per harness.
 HARNESS_VERSIONS = {"mini-swe-agent": "2.4.6"}
-# openenv 0.10's own test of a pinned version (openenv/harbor/rollout.py): one it refuses fails every rollout.
-EXACT_VERSION = re.compile(r"[0-9]+(?:\.[0-9]+){1,3}(?:[-+][A-Za-z0-9.-]+)?")
-# Harbor names an e2b template after its task and builds it when missing; rollouts visiting a task at once race the
-# build (`tag 'default' does not exist`). Under one shared name (openenv's HARBOR_SHARED_ENV_NAME; the user's wins) a
-# template is built once per distinct environment, not once per task.
+EXACT_VERSION = re.compile(r"[0-9]+(?:\.[0-9]+){1,3}(?:[-+][A-Za-z0-9.-]+)?")  # openenv/harbor/rollout.py's own test
+# Harbor builds an e2b template per task on first use, and rollouts visiting a task at once race the build. Under one
+# shared name (openenv's HARBOR_SHARED_ENV_NAME; the user's wins) a template is built once per distinct environment.
 SHARED_TEMPLATE_NAME = "async-grpo-harbor"
 
 
 def harbor_server_env() -> dict[str, str]:
-    """What the Harbor server this script starts gets on top of this process's environment."""
+    """What our Harbor server gets on top of this process's environment."""
     raw = os.environ.get("OPENENV_HARBOR_AGENT_VERSIONS", "")
     try:
         theirs = json.loads(raw) if raw.strip() else {}
@@ -950,9 +919,8 @@ def harbor_server_env() -> dict[str, str]:
 
 
 class EmbeddedHarborServer:
-    """`openenv harbor serve` as a child of this process, bound to 127.0.0.1 with the --expose that --harbor-expose
-    picks (OpenEnv's default, gradio, opens a public tunnel whatever the sandbox). `public_url`: the capture proxy's
-    URL as the server hands it to every sandbox, from the line it prints at start."""
+    """`openenv harbor serve` as a child, on 127.0.0.1 with --harbor-expose's --expose (OpenEnv's default, gradio,
+    opens a public tunnel whatever the sandbox). `public_url`: the capture proxy's URL as the sandboxes get it."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -961,7 +929,7 @@ class EmbeddedHarborServer:
         self.url, self.capture_port, self.public_url = "", 0, ""
 
     def start(self, served_model: str, timeout_s: float = 1800.0) -> float:
-        """Start the server and wait until its Task API answers; returns the seconds that took."""
+        """Starts the server, waits until its Task API answers; returns the seconds that took."""
         a = self.args
         port, self.capture_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -975,10 +943,9 @@ class EmbeddedHarborServer:
             log.write(f"\n===== {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: {shlex.join(cmd)}\n")
             log.flush()
             started_at = log.tell()
-            env = {**os.environ, **harbor_server_env(), "MAX_CONCURRENT_ENVS": str(slots)}  # a refusal shows the log
+            env = {**os.environ, **harbor_server_env(), "MAX_CONCURRENT_ENVS": str(slots)}
             try:
-                # PR_SET_PDEATHSIG (prctl 1): the kernel sends the server SIGTERM when its parent thread ends, even by
-                # SIGKILL or OOM, when no cleanup of ours runs.
+                # prctl(PR_SET_PDEATHSIG, SIGTERM): the server ends with us, even when we die by SIGKILL or OOM.
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              env=env, start_new_session=True,
                                              preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGTERM))
@@ -994,7 +961,7 @@ class EmbeddedHarborServer:
             except (OSError, ValueError):
                 time.sleep(0.5)
                 continue
-            # openenv 0.10's serve_harbor prints `capture   <where> -> <URL>` before it serves; no route reports it.
+            # openenv 0.10 prints `capture   <where> -> <URL>` before it serves; no route reports it.
             with self.log_path.open(errors="replace") as log:
                 log.seek(started_at)
                 printed = re.search(r"^capture\s.* -> (\S+)\s*$", log.read(), re.M)

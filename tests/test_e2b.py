@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from conftest import ROOT, SCRIPT, SECRETS, embedded, load_script, rollouts, run_main, script_env, train_args
@@ -136,16 +137,54 @@ def test_on_e2b_the_first_rollout_builds_its_template_alone(e2b_run):
     assert all(r["started"] >= first["started"] + first["wall_s"] for r in others), records[:4]
 
 
+class HeldHealth(BaseHTTPRequestHandler):
+    """A capture proxy whose /health answers only once `release` is set: a rollout asking it stays under way."""
+
+    def do_GET(self):
+        self.server.asked.release()
+        self.server.release.wait()
+        self.send_error(503)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_on_e2b_a_rollout_stopped_while_it_waits_for_the_first_lets_no_other_start():
+    """The first rollout is alone until it ends: another, stopped while it waits its turn, opens the way to none."""
+    agh = load_script()
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), HeldHealth)
+    proxy.asked, proxy.release, proxy.daemon_threads = threading.Semaphore(0), threading.Event(), True
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    factory = agh.HarborSessionFactory(
+        harbor_url="http://127.0.0.1:9", harness="mini-swe-agent", sandbox="e2b", reward_key="", agent_step_limit=6,
+        agent_timeout_s=60, max_consecutive_failures=3, capture_url=f"http://127.0.0.1:{proxy.server_address[1]}")
+    prompt = [{"harbor_task_name": "coin", "harbor_task_index": 0, "harbor_split": "s"}]
+    first, waiting, stopped = (factory.create(prompt, n) for n in range(3))
+    try:
+        threading.Thread(target=first.wait_for_completion, daemon=True).start()
+        assert proxy.asked.acquire(timeout=120), "the first rollout never started"  # a guard against a hang
+        threading.Thread(target=waiting.wait_for_completion, daemon=True).start()
+        stopped.close()
+        assert stopped.wait_for_completion() == 1
+        # The first rollout is still under way: the way the waiting rollouts watch stays shut.
+        assert not agh.FIRST_ROLLOUT_ENDED.is_set()
+    finally:
+        for session in (waiting, first):
+            session.close()
+        proxy.release.set()
+        proxy.shutdown()
+
+
 def test_a_dead_tunnel_mid_run_ends_it_in_one_line_after_its_checkpoint(e2b_run):
     code, console, out = e2b_run
     assert code == 1, console[-3000:]
     assert rollouts(console)
     errors = [line for line in console.splitlines() if line.startswith("error:")]
     assert errors == console.strip().splitlines()[-1:], errors
-    assert re.match(rf"error: training stopped: the capture proxy has not answered at http://127\.0\.0\.1:\d+, the URL "
-                    rf"every sandbox is given, for {RETRY_WINDOW}s \(last: .*\): its tunnel or the proxy died.*"
-                    r"Fix the cause, then relaunch with --output-dir .* --resume", errors[0]), errors[0]
-    assert "[harbor] the capture proxy is not answering at" in console
+    assert re.match(rf"error: training stopped: the capture proxy at http://127\.0\.0\.1:\d+ has not answered for "
+                    rf"{RETRY_WINDOW}s \(last: .*\)\. Fix the cause, then relaunch with --output-dir .* --resume",
+                    errors[0]), errors[0]
+    assert re.search(r"\[harbor\] the capture proxy at \S+ is not answering", console)
     assert "Traceback" not in console
     # Stopped with the checkpoints saved so far (every --save-steps), the newest whole: what --resume continues.
     newest = max(out.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))

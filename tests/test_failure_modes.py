@@ -493,6 +493,7 @@ class RefusalCountingRelay(ThreadingHTTPServer):
     def __init__(self, target: str):
         super().__init__(("127.0.0.1", 0), RelayHandler)
         self.target, self.refusals, self.refused = target, 0, threading.Condition()
+        self.forget = False  # True: the server forgets the session of the next rollout call, as a restart does
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -500,6 +501,11 @@ class RefusalCountingRelay(ThreadingHTTPServer):
 class RelayHandler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
+        call = json.loads(body)
+        if call["method"] == "tools/call" and self.server.forget:
+            self.server.forget = False
+            post_json(f"{self.server.target}/mcp", {"jsonrpc": "2.0", "id": 1, "method": "openenv/session/close",
+                                                    "params": {"session_id": call["params"]["session_id"]}})
         request = urllib.request.Request(self.server.target + self.path, body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as reply:
             answer = reply.read()
@@ -559,4 +565,27 @@ def test_a_full_harbor_server_is_waited_for_within_the_retry_window(rig):
         for session in [*sessions, *holders]:
             session.close()
         relay.shutdown()
+    assert_all_slots_free(rig)
+
+
+def test_a_server_that_no_longer_knows_the_session_restarts_the_rollout_without_an_outage(rig, capsys):
+    """The server answers but has forgotten the rollout's session (restarted between the session's open and the
+    rollout's call): the rollout starts again in a new session, and no outage is reported, the server never went."""
+    agh = load_script()
+    relay = RefusalCountingRelay(rig.harbor_url)
+    relay.forget = True
+    task = next(t for t in agh.fetch_catalogue(rig.harbor_url, rig.split) if t["task_name"] == "echo-hello")
+    factory = agh.HarborSessionFactory(
+        harbor_url=relay.url, harness="mini-swe-agent", sandbox="local", reward_key="correct,reward",
+        agent_step_limit=6, agent_timeout_s=60, max_consecutive_failures=1,
+        sampling=agh.training_sampling({"temperature": 0.7}))
+    session = factory.create(agh.task_rows([task], rig.split, ["mini-swe-agent"])[0]["prompt"], 0)
+    try:
+        assert session.wait_for_completion() == 0, session.failure
+    finally:
+        session.close()
+        relay.shutdown()
+    assert not relay.forget and session.retries == 1 and session.result.reward == 1.0
+    console = capsys.readouterr().out
+    assert "not answering" not in console and "answers again" not in console, console
     assert_all_slots_free(rig)
