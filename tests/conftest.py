@@ -125,17 +125,26 @@ class Rig:
                        str(engine_port), "--served-name", SERVED_NAME, "--policy", str(policy),
                        "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", *engine_flags],
             workdir / "engine.log", f"{self.engine_url}/health", env=engine_env)
-        self.engine.wait_ready()
         self.harbor = None
+        # The Harbor server imports while the engine loads, and serves once the engine answers (its start probes it).
+        starting = self.start_harbor(successor=True) if harbor else None
+        try:
+            self.engine.wait_ready()
+        except RuntimeError:
+            if starting:
+                starting.stop()
+            raise
         if not harbor:
             self.harbor_url, self.split = "", str(RIG / "tasks")
             return
-        self.start_harbor()
+        starting.wait_ready()
+        self.harbor = starting
         self.split = get_json(f"{self.harbor_url}/harbor_env/splits")[0]["name"]
 
     def start_harbor(self, successor: bool = False) -> Service:
-        """Start the Harbor server on the rig's port. successor: a new one that serves once the running one is
-        gone from the port, for a restart (`serve_when_port_free` in rig/harbor_server.py); not yet waited for."""
+        """Start the Harbor server on the rig's port, serving once the engine answers. successor: a new one that
+        serves once the running one (if any) is gone from the port, for a restart (`serve_when_port_free` in
+        rig/harbor_server.py); not yet waited for."""
         log = self.workdir / (f"harbor.{self.harbor.proc.pid}.log" if self.harbor else "harbor.log")
         service = Service(
             "harbor server", [os.environ["AGH_SERVER_PYTHON"], str(RIG / "harbor_server.py"),
@@ -145,7 +154,7 @@ class Rig:
                               "--max-output-tokens", str(MAX_OUTPUT_TOKENS)],
             log, f"{self.harbor_url}/harbor_env/splits",
             env={**SECRETS, "MAX_CONCURRENT_ENVS": str(self.max_concurrent_envs),
-                 "RIG_SANDBOX_DIR": str(self.workdir / "sandboxes"),
+                 "RIG_SANDBOX_DIR": str(self.workdir / "sandboxes"), "RIG_WAIT_FOR_ENGINE": "1",
                  "OPENENV_HARBOR_TRIALS_DIR": str(self.workdir / "trials"),
                  **({"RIG_SERVE_WHEN_PORT_FREE": "1"} if successor else {})},
             cwd=self.workdir)

@@ -149,13 +149,9 @@ def register_tunnel_standin() -> None:
         forwarding._FORWARDERS["gradio"] = RigTunnel
 
 
-def serve_when_port_free() -> None:
-    """RIG_SERVE_WHEN_PORT_FREE=1: a successor for a restart test. It imports what a start spends most of its time on
-    now, then waits until the server it replaces is gone from the port, so the restart takes seconds on a loaded
-    machine instead of the better part of a minute."""
+def import_ahead() -> None:
+    """Import what a start spends most of its time on, before what the server waits for is there."""
     import importlib
-    import socket
-    import time
 
     from openenv.harbor import capabilities
 
@@ -163,6 +159,12 @@ def serve_when_port_free() -> None:
     for module in ("uvicorn", "gradio", "openenv.harbor.serving", "openenv.harbor.environment", "openenv.harbor.ui",
                    "openenv.core.env_server.web_interface", "openenv.core.harness.capture.forwarding"):
         importlib.import_module(module)
+
+
+def serve_when_port_free() -> None:
+    """RIG_SERVE_WHEN_PORT_FREE=1: a successor for a restart test. Imported ahead, it waits until the server it
+    replaces is gone from the port, so the restart takes seconds on a loaded machine instead of the better part of a
+    minute."""
     port, parent = int(sys.argv[sys.argv.index("--port") + 1]), os.getppid()
     print(f"rig: imported; waiting for port {port} to be free", flush=True)
     while os.getppid() == parent:  # a test that died never frees the port: leave with it
@@ -176,6 +178,22 @@ def serve_when_port_free() -> None:
     sys.exit(1)
 
 
+def serve_when_engine_answers() -> None:
+    """RIG_WAIT_FOR_ENGINE=1: started beside the rig's engine, not after it. `openenv harbor serve` probes --llm-url
+    once as it starts, so this imports first, then waits until the engine answers its health check."""
+    import urllib.request
+
+    health = sys.argv[sys.argv.index("--llm-url") + 1].removesuffix("/v1") + "/health"
+    parent = os.getppid()
+    while os.getppid() == parent:  # a test that died never starts the engine: leave with it
+        try:
+            with urllib.request.urlopen(health, timeout=5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    sys.exit(1)
+
+
 def main() -> None:
     # Offline machine: otherwise Harbor's litellm import spends ~7 s retrying GitHub for a cost map.
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -183,8 +201,12 @@ def main() -> None:
     skip_preinstalled_agent_install()
     register_twin_harness()
     register_tunnel_standin()
+    if os.environ.get("RIG_SERVE_WHEN_PORT_FREE") or os.environ.get("RIG_WAIT_FOR_ENGINE"):
+        import_ahead()
     if os.environ.get("RIG_SERVE_WHEN_PORT_FREE"):
         serve_when_port_free()
+    if os.environ.get("RIG_WAIT_FOR_ENGINE"):
+        serve_when_engine_answers()
     from openenv.cli.__main__ import main as openenv_main
 
     sys.argv = ["openenv", "harbor", "serve", *sys.argv[1:]]
