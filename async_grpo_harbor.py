@@ -124,7 +124,6 @@ from openenv.core.harness.capture.validate_llm import validate_llm  # noqa: E402
 from openenv.harbor.capabilities import HOST_SIDE_AGENTS  # noqa: E402
 from openenv.harbor.client import HarborEnv  # noqa: E402
 from openenv.harbor.models import HarborRolloutResult  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback  # noqa: E402
 from transformers.trainer_utils import sort_checkpoints  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402

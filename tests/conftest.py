@@ -264,9 +264,9 @@ def run_main(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProc
 # Modules by wall time, longest first (their shared training runs). tests/run.sh deals whole modules to its workers
 # (`--dist loadfile`) in collection order, so the long ones start at once and the short ones fill in beside them:
 # started last, one long module alone would set the suite's time. A module not listed runs after these.
-LONGEST_FIRST = ["test_preemption.py", "test_held_out_eval.py", "test_failure_modes.py", "test_multi_rank.py",
-                 "test_e2b.py", "test_train_e2e.py", "test_learning.py", "test_check.py", "test_lora.py", "test_refusals.py",
-                 "test_eval_curate.py", "test_ipc.py", "test_trainer_memory.py", "test_slurm.py"]
+LONGEST_FIRST = ["test_preemption.py", "test_held_out_eval.py", "test_failure_modes.py", "test_learning.py",
+                 "test_multi_rank.py", "test_e2b.py", "test_train_e2e.py", "test_check.py", "test_lora.py",
+                 "test_refusals.py", "test_eval_curate.py", "test_ipc.py", "test_trainer_memory.py", "test_slurm.py"]
 
 
 def pytest_collection_modifyitems(items):
