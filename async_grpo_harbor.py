@@ -2375,8 +2375,7 @@ def run_measure(args: argparse.Namespace, plan: dict[str, Any], server: Embedded
 
 
 # --- Trainer ----------------------------------------------------------------------------------------------------------
-# A group's size, on each of its samples: TRL's queue hands a group over sample by sample, and FreshestGroupFirst
-# cannot otherwise tell a whole group from one whose last samples are on their way.
+# A group's size on each sample: FreshestGroupFirst tells a whole group from one whose last samples are on their way.
 GROUP_SAMPLES = "harbor_group_samples"
 
 
@@ -2475,8 +2474,7 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
 
 
 def read_only(*queues: Any) -> None:
-    """Closes the trainer's write ends of the child's queues: an open one keeps a dead child's pipe from reading as
-    closed, and a read waits forever."""
+    """Closes the trainer's write ends of the child's queues: else a dead child's pipe never reads as closed."""
     for q in queues:
         q._writer.close()  # private: mp.Queue has no public way to close its write end
 
@@ -2936,8 +2934,7 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
                                                     lambda: self.model_version, self.args.max_staleness)
         model = self.accelerator.unwrap_model(self.model)
         if is_peft_model(model):
-            # PEFT's in-place merge and unmerge around TRL's push drift the frozen base in bfloat16: _streaming_iter
-            # sends the sum out of place instead.
+            # PEFT's in-place merge and unmerge drift the bfloat16 base at each push: _streaming_iter sums out of place.
             model.merge_adapter = model.unmerge_adapter = lambda *a, **kw: None
 
     def train(self, *a, **kw):
@@ -2954,8 +2951,7 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
             base = getattr(loader, "base_dataloader", loader)
             self.collated_groups = base.collate_fn.groups_trained  # TRL's collator adds each group it collates
             base.collate_fn = functools.partial(self.collate, base.collate_fn)
-            # The other ranks wait in accelerate's broadcast of rank 0's next micro-batch: a stop that ends rank 0's
-            # wait for rollouts reaches them as one more batch, and every rank leaves the step at the same point.
+            # A stop that ends rank 0's wait reaches the ranks waiting in accelerate's broadcast as one more batch.
             # private: torch's DataLoader makes each pass's iterator in _get_iterator; no public hook wraps it
             make = base._get_iterator
             base._get_iterator = lambda: stop_batch_on_preempt(make(), self.accelerator.num_processes)
@@ -3103,8 +3099,7 @@ def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | Non
         flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
         differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
                   if config.get(key) != value]
-        # PEFT saves the modules its target_modules resolved to: so are the flags' (the LoRA targets row reports flags
-        # that resolve to none, or an unreadable --model).
+        # PEFT saves the modules its target_modules resolved to: so are the flags' (resolving to none: another row).
         if model_shape_error(args) is None:
             with contextlib.suppress(ValueError):
                 ours = set(lora_model(args).peft_config["default"].target_modules)
