@@ -3060,16 +3060,6 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest checkpoint a resume can use; each newer one that is corrupt or partial is skipped with a warning."""
-    for path in map(Path, reversed(sort_checkpoints(output_dir))):  # newest first
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return str(path)
-        print(f"warning: skipping {path}: {problem}; trying the checkpoint before it", file=sys.stderr)
-    return None
-
-
 def resolve_resume(args: argparse.Namespace) -> str | None:
     if args.resume is None:
         if sort_checkpoints(args.output_dir):
@@ -3077,14 +3067,18 @@ def resolve_resume(args: argparse.Namespace) -> str | None:
                              "continue it, or a new --run-name / --output-dir")
         return None
     if args.resume in ("latest", "auto"):
-        path = latest_checkpoint(args.output_dir)
-        if path is None and sort_checkpoints(args.output_dir):  # starting over would write over them
+        for path in map(Path, reversed(sort_checkpoints(args.output_dir))):  # newest first
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return str(path)
+            print(f"warning: skipping {path}: {problem}; trying the checkpoint before it", file=sys.stderr)
+        if sort_checkpoints(args.output_dir):  # starting over would write over them
             raise UsageError(f"--resume: no usable checkpoint in {args.output_dir} (see the warnings above); "
                              "repair one, or remove them to start over")
-        if path is None and args.resume == "latest":
+        if args.resume == "latest":
             raise UsageError(f"--resume: no checkpoint-N in {args.output_dir}; pass the run's --run-name or "
                              "--output-dir, or a checkpoint path")
-        return path
+        return None
     if problem := checkpoint_problem(Path(args.resume)):
         raise UsageError(f"--resume {args.resume}: not a usable checkpoint ({problem})")
     return args.resume
