@@ -2410,7 +2410,13 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         rewards = [r for r in group.rollout_rewards if r is not None]
         zero = bool(rewards) and zero_variance(rewards)
         kept_out = zero and self.max_zero_variance_groups > 0
-        self.settle(group, "no_scorable" if not rewards else "zero_variance" if kept_out else "samples")
+        if self.groups_path:  # how each group settled: a resume runs no group settled other than with samples
+            task = group.prompts[0][0]
+            record = {"time": time.time(), "group": group.group_id, "visit": self.dataset.visit(group.group_id),
+                      "task": task["harbor_task_name"], "harness": task["harbor_harness"],
+                      "outcome": "no_scorable" if not rewards else "zero_variance" if kept_out else "samples"}
+            with open(self.groups_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
         # private: TRL's metric accumulators (_counters, _rates), pushed with its own; no public call adds a metric
         counters, rates = self._counters, self._rates
         counters["harbor/groups_total"] += 1
@@ -2440,15 +2446,6 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
                 f"rollout, {len(self.flat_run) - solved} by none): no advantage to learn from. Train on tasks curated "
                 "by --eval-only --curate, or raise --max-zero-variance-groups"))
         return []
-
-    def settle(self, group, outcome: str) -> None:
-        """A line of groups.jsonl; a resume runs no group settled other than with `samples`."""
-        if self.groups_path:
-            task = group.prompts[0][0]
-            record = {"time": time.time(), "group": group.group_id, "visit": self.dataset.visit(group.group_id),
-                      "task": task["harbor_task_name"], "harness": task["harbor_harness"], "outcome": outcome}
-            with open(self.groups_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
     def stop(self, reason: TrainingStopped) -> None:
         """Ends the child's loops; the trainer's check_health raises `reason` (stop_from_child), with no traceback."""
