@@ -2148,33 +2148,15 @@ def run_measure(args: argparse.Namespace, plan: dict[str, Any]) -> int:
 
 
 # --- Trainer ----------------------------------------------------------------------------------------------------------
-class PassRate:
-    """Solve rate of each full pass over the task list (`groups` groups, whatever steps they straddle), unscorable
-    rollouts left out, as of a GRPO baseline."""
-
-    def __init__(self, groups: int):
-        self.groups, self.done, self.solved, self.scored = groups, 0, 0, 0
-
-    def add(self, solved: int, scored: int) -> tuple[int, int]:
-        self.done, self.solved, self.scored = self.done + 1, self.solved + solved, self.scored + scored
-        if self.done % self.groups:
-            return 0, 0
-        finished, self.solved, self.scored = (self.solved, self.scored), 0, 0
-        return finished
-
-
-# How many samples a group's rollouts made, on each of them from the rollout child to FreshestGroupFirst, which takes
-# it off before TRL reads the sample: TRL's queue hands a group over sample by sample, and a reader cannot otherwise
-# tell a whole group from one whose last samples are still on their way.
+# A group's size on each sample: FreshestGroupFirst tells a whole group from one whose last samples are on their way.
 GROUP_SAMPLES = "harbor_group_samples"
 
 
 class HarborRolloutLoop(_HarnessRolloutLoop):
-    """TRL's loop-owning harness loop, run in TRL's rollout child, scoring each group the way this script trains: its
-    rewards shaped (`shape_group_rewards`) before TRL normalises them into advantages, a zero-variance group kept out
-    of the trainer's queue unless --max-zero-variance-groups is 0, and a run of such groups a NoSignal stop."""
+    """TRL's harness loop, in its rollout child: rewards shaped, zero-variance groups kept out (unless
+    --max-zero-variance-groups 0), and a run of them a NoSignal stop."""
 
-    def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int, groups_per_pass: int,
+    def __init__(self, *, efficiency_weight: float, max_zero_variance_groups: int,
                  harness_session_factory: Callable[..., Any], metrics_queue: Any, failed_event: Any,
                  exception_info_queue: Any, groups_path: str = "", **loop_kwargs: Any):
         self.failed_event, self.failures = failed_event, exception_info_queue  # TRL's failure channel
@@ -2184,18 +2166,15 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         self.efficiency_weight, self.groups_path = efficiency_weight, groups_path
         self.max_zero_variance_groups = max_zero_variance_groups
         self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
-        self.passes = PassRate(groups_per_pass)
 
     def build_factory(self, build: Callable[..., Any], metrics_queue: Any, **kwargs: Any) -> Any:
-        """The session factory TRL's loop builds, which pushes each rollout's metrics onto TRL's metric queue."""
         self.factory = build(**kwargs)
-        self.factory.metrics_queue = metrics_queue
+        self.factory.metrics_queue = metrics_queue  # each rollout's metrics join TRL's
         return self.factory
 
     # private: TRL's one step from a scored group to samples; no public hook shapes a group's rewards
     async def _score_group(self, group):
-        scores = group.rollout_rewards
-        group.rollout_rewards = shape_group_rewards(scores, self.efficiency_weight)
+        group.rollout_rewards = shape_group_rewards(group.rollout_rewards, self.efficiency_weight)
         samples = await super()._score_group(group)
         for sample in samples:
             sample.metrics[GROUP_SAMPLES] = len(samples)
@@ -2204,14 +2183,16 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         rewards = [r for r in group.rollout_rewards if r is not None]
         zero = bool(rewards) and zero_variance(rewards)
         kept_out = zero and self.max_zero_variance_groups > 0
-        self.settle(group, "no_scorable" if not rewards else "zero_variance" if kept_out else "samples")
+        if self.groups_path:  # how each group settled: a resume runs no group settled other than with samples
+            task = group.prompts[0][0]
+            record = {"time": time.time(), "group": group.group_id, "visit": self.dataset.visit(group.group_id),
+                      "task": task["harbor_task_name"], "harness": task["harbor_harness"],
+                      "outcome": "no_scorable" if not rewards else "zero_variance" if kept_out else "samples"}
+            with open(self.groups_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
         # private: TRL's metric accumulators (_counters, _rates), pushed with its own; no public call adds a metric
         counters, rates = self._counters, self._rates
         counters["harbor/groups_total"] += 1
-        solved, scored = self.passes.add(sum(s is not None and s.correctness > 0 for s in scores), len(rewards))
-        if scored:
-            rates["harbor/solve_rate_pass"][0] += solved
-            rates["harbor/solve_rate_pass"][1] += scored
         if not rewards:
             counters["harbor/not_trained/no_scorable_groups_total"] += 1
             return samples  # none scorable, so no samples: --max-consecutive-failures watches these
@@ -2235,23 +2216,12 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
             solved = sum(self.flat_run)
             self.stop(NoSignal(
                 f"the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} solved by every "
-                f"rollout, {len(self.flat_run) - solved} by none), so no advantage was left to learn from: the tasks "
-                "are too hard or too easy for the model. Measure pass rates (--eval-only --curate) and train on the "
-                "curated list, or raise --max-zero-variance-groups"))
+                f"rollout, {len(self.flat_run) - solved} by none): no advantage to learn from. Train on tasks curated "
+                "by --eval-only --curate, or raise --max-zero-variance-groups"))
         return []
 
-    def settle(self, group, outcome: str) -> None:
-        """groups.jsonl: each scored group and how it settled; a resume runs no group settled without `samples`."""
-        if self.groups_path:
-            task = group.prompts[0][0]
-            record = {"time": time.time(), "group": group.group_id, "visit": self.dataset.visit(group.group_id),
-                      "task": task["harbor_task_name"], "harness": task["harbor_harness"], "outcome": outcome}
-            with open(self.groups_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
     def stop(self, reason: TrainingStopped) -> None:
-        """Ends the child's loops and hands `reason` to the trainer's check_health (`stop_from_child`) through TRL's
-        failure channel, without the tracebacks TRL's child prints for a crash."""
+        """Ends the child's loops; the trainer's check_health raises `reason` (stop_from_child), with no traceback."""
         self.failures.put_nowait((type(reason).__name__, str(reason), ""))
         self.failed_event.set()
         self.stop_event.set()
@@ -2274,15 +2244,13 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
 
 
 def read_only(*queues: Any) -> None:
-    """Drops the trainer's write ends of the rollout child's queues once the child holds its own: a pipe never reads as
-    closed while a write end is open, so a read would wait forever on an item the child died writing (SIGKILL, OOM)."""
+    """Closes the trainer's write ends of the child's queues: else a dead child's pipe never reads as closed."""
     for q in queues:
         q._writer.close()  # private: mp.Queue has no public way to close its write end
 
 
 class ChildQueue:
-    """A queue the rollout child writes, as the trainer reads it (TRL's `get`, `get_nowait`, `qsize`): once the child
-    is gone (its pipe closed, `read_only`), it reads as empty, as a live child's with nothing to hand over."""
+    """A queue the rollout child writes (`read_only`), which reads as empty once the child is gone."""
 
     def __init__(self, mp_queue: Any):
         self.mp_queue = mp_queue
@@ -2303,17 +2271,10 @@ class ChildQueue:
 
 
 class FreshestGroupFirst(ChildQueue):
-    """The rollout queue as TRL's dataset reads it, one sample per `get`, freshest group with a signal first.
-
-    TRL takes samples in the order they were scored and drops one only past --max-staleness, so whenever rollouts
-    finish faster than the trainer steps it trains groups up to --max-staleness versions old, and zero-variance ones
-    (advantage 0 everywhere: no gradient) while fresher groups with a signal wait. Each `get` takes every sample that
-    has arrived and hands over, in turn: one past --max-staleness (TRL drops and counts it, as in its own order), the
-    rest of the group it is handing over (a group's samples stay together, sharing their prefix in a micro-batch:
-    it waits for those still on their way, which the child put in one go), then the group of the newest policy
-    version with a non-zero advantage, then the newest other; among equals, the first scored. Stale samples are
-    dropped exactly as before; only which fresh group goes first changes. A resume runs again every group no step
-    trained, whatever order they were trained in (`resume_position`)."""
+    """The rollout queue TRL's dataset reads, one sample per `get`: first one past --max-staleness (TRL drops it), then
+    the rest of the group under way (a group's samples share a micro-batch), then the newest group with a non-zero
+    advantage, then the newest other; ties in the order scored. TRL's order, the order scored, trains old and
+    zero-variance groups while fresher ones with a signal wait."""
 
     def __init__(self, mp_queue: Any, version: Callable[[], int], max_staleness: int):
         super().__init__(mp_queue)
@@ -2348,21 +2309,17 @@ class FreshestGroupFirst(ChildQueue):
         self.held.append(sample)
 
     def take_arrived(self) -> None:
-        try:
+        with contextlib.suppress(queue.Empty):
             while True:
                 self.arrive(super().get(block=False))
-        except queue.Empty:
-            pass
 
     def qsize(self) -> int:
         return len(self.held) + super().qsize()
 
 
 def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
-    """TRL's `stop()` without its waits: a 15 s join of a child that cannot exit while its queues are unread (mp.Queue
-    flushes its pipe at exit), and the stop Event's `set()`, which waits forever once the child ended on its own (its
-    watcher thread died unwoken). The queues drain while the child gets `timeout_s` to exit, then SIGTERM (it releases
-    its server sessions), then SIGKILL; the metrics drained wait for the trainer's next log or its totals."""
+    """TRL's `stop()` without its hangs (a child that cannot exit while its queues are unread, an Event set after the
+    child's exit): the queues drain while the child exits, then SIGTERM, then SIGKILL; drained metrics are kept."""
     # private: TRL's worker holds its child only as _process, and its stop Event as _stop_event_mp
     proc, t0, kept = worker._process, time.monotonic(), queue.Queue()
 
@@ -2398,14 +2355,12 @@ def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
 
 
 class Preempted(BaseException):
-    """A stop request at a point where training stops without losing a step; like SystemExit, no `except Exception`
-    on the way out swallows it."""
+    """A stop where training loses no step; like SystemExit, no `except Exception` on the way out swallows it."""
 
 
 class StopRequest:
-    """SIGTERM / SIGUSR1 (SLURM's preemption notice, scancel, `kill`): save a checkpoint, exit for a requeue. Once
-    training runs, the handler only takes note: unwinding could leave vLLM paused mid weight sync or a step half
-    applied, so training stops at the step's end, or within one queue poll if it waits for rollouts."""
+    """SIGTERM / SIGUSR1 (SLURM's preemption notice, scancel, `kill`): checkpoint, exit for a requeue. Once training
+    runs, the handler only takes note: unwinding could leave vLLM paused mid weight sync or a step half applied."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -2432,7 +2387,7 @@ STOP = StopRequest()
 
 
 def resume_command(argv: list[str], output_dir: str) -> str:
-    """The command line that continues this run: the same arguments with `--resume auto` in this output dir."""
+    """The same arguments with `--resume auto` in this output dir."""
     kept, tokens = [], iter(argv)
     for token in tokens:
         if token == "--resume":
@@ -2447,14 +2402,12 @@ def resume_command(argv: list[str], output_dir: str) -> str:
 
 
 def save_for_requeue(trainer: Any, args: argparse.Namespace) -> int:
-    """Checkpoints the last finished optimizer step, unless a checkpoint holds it, and asks for a requeue. Every rank
-    calls it: a save is a collective (each rank writes its RNG state, FSDP gathers or writes shards)."""
+    """Checkpoints the last optimizer step unless a checkpoint holds it; every rank calls it, a save is collective."""
     step = trainer.state.global_step
     checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
     # Rank 0 decides for all: ranks that judged the files apart could split into a save and no save.
     save = bool(step) and trainer.accelerator.is_main_process and checkpoint_problem(checkpoint) is not None
     if broadcast_object_list([save], from_process=0)[0]:
-        # A step cut short while waiting for rollouts is dropped whole: the weights and optimizer are the last step's.
         # private: transformers writes a resumable checkpoint (optimizer, RNG, state) only in _save_checkpoint
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
         trainer.complete_checkpoint()
@@ -2498,8 +2451,7 @@ class VisitOrder:
         return pending, self.start + max(0, seen - len(self.pending))
 
 
-# The key of the batch that carries a stop to every rank (HarborGRPOTrainer.get_train_dataloader).
-STOP_BATCH = "harbor_stop"
+STOP_BATCH = "harbor_stop"  # the key of the batch that carries a stop to every rank (get_train_dataloader)
 
 
 def stop_batch_on_preempt(batches, num_processes: int):
@@ -2509,8 +2461,7 @@ def stop_batch_on_preempt(batches, num_processes: int):
         yield {STOP_BATCH: torch.ones(num_processes)}  # one row per rank: accelerate splits a batch across ranks
 
 
-# Bytes per POST /update_weights (or one larger tensor), as vLLM's own IPC trainer stages 1 GiB at a time.
-IPC_CHUNK_BYTES = 1 << 30
+IPC_CHUNK_BYTES = 1 << 30  # bytes per POST /update_weights, as vLLM's own IPC trainer stages
 
 
 class WeightTransferRefused(RuntimeError):
@@ -2519,7 +2470,7 @@ class WeightTransferRefused(RuntimeError):
 
 class CudaIpcWeightTransfer(WeightTransferClient):
     """TRL's weight transfer over vLLM's `ipc` backend, for vLLM on the trainer's GPU (where NCCL refuses a second
-    rank): a chunk of tensors per POST /update_weights, as CUDA-IPC handles. Not TRL's __init__: it needs vLLM here."""
+    rank): chunks of CUDA-IPC handles. Not TRL's __init__: it needs vLLM installed here."""
 
     def __init__(self, vllm_url: str, weight_sync_timeout: float, chunk_bytes: int = IPC_CHUNK_BYTES):
         self.vllm, self.weight_sync_timeout, self.chunk_bytes = VLLMClient(vllm_url), weight_sync_timeout, chunk_bytes
@@ -2532,11 +2483,9 @@ class CudaIpcWeightTransfer(WeightTransferClient):
 
     def send_weights(self, iterator) -> None:
         self.vllm.start_weight_update(timeout=self.weight_sync_timeout)
-        # torch's CUDA-IPC contract: the sender keeps a shared tensor while the receiver may use it, which vLLM does
-        # until finish_weight_update. A merged LoRA weight is a copy: the trainer-memory row counts `sent` as staging.
-        self.sent = []
+        # CUDA IPC: the sender keeps each tensor until vLLM's finish_weight_update; the memory row counts `sent`.
+        self.sent, chunk, size = [], [], 0
         try:
-            chunk, size = [], 0
             for name, tensor in iterator:
                 tensor = tensor.detach().contiguous()  # a parameter goes as it is, zero-copy, in its own dtype
                 if chunk and size + tensor.nbytes > self.chunk_bytes:
@@ -2553,26 +2502,21 @@ class CudaIpcWeightTransfer(WeightTransferClient):
             self.sent = []
             if found := re.search(r"IPC handle not found for GPU UUID ([\w-]+)", str(exc)):
                 raise WeightTransferRefused(
-                    f"vLLM runs on another GPU than the trainer ({found[0]}): CUDA IPC reaches only the same "
-                    f"physical GPU; start this script with CUDA_VISIBLE_DEVICES=GPU-"
-                    f"{found[1].lower().removeprefix('gpu-')}") from exc
-            # vLLM 0.26 answers a push its workers refused with a bare 500: the cause is only in vLLM's own log.
-            answer = " ".join(str(exc).split())[:300]
+                    f"vLLM runs on another GPU than the trainer ({found[0]}). Start this script with "
+                    f"CUDA_VISIBLE_DEVICES=GPU-{found[1].lower().removeprefix('gpu-')}") from exc
+            answer = " ".join(str(exc).split())[:300]  # vLLM 0.26 answers a refused push with a bare 500
             raise WeightTransferRefused(
                 f"weight push to vLLM at {self.vllm.server_url} over CUDA IPC failed ({answer}); the cause is in "
-                "vLLM's server log (the output of `vllm serve`); most likely vLLM runs on another GPU than the trainer "
-                "(compare `nvidia-smi -L` with this script's CUDA_VISIBLE_DEVICES), or without "
-                "VLLM_ALLOW_INSECURE_SERIALIZATION=1, without which its ipc backend unpickles no handle: restart it "
-                "with VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve ... --host 127.0.0.1 "
-                "--weight-transfer-config '{\"backend\":\"ipc\"}'. vLLM keeps the weights it loaded and stays paused"
+                "vLLM's server log. Run vLLM on the trainer's GPU (not on another GPU than the trainer), started as "
+                "VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve ... --weight-transfer-config "
+                "'{\"backend\":\"ipc\"}'"
             ) from exc
         self.vllm.finish_weight_update(timeout=self.weight_sync_timeout)
         self.sent = []
         torch.cuda.ipc_collect()  # the copies dropped, once vLLM unmapped them, back to the allocator now
 
     def update(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
-        # vLLM reads the memory from its own process: every copy and merge queued on this one must have landed.
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # vLLM reads the memory from its own process: every queued copy must have landed
         # vLLM looks each handle up by its own device's str(uuid) and rebuilds it from reduce_tensor's args alone.
         handles = [{str(torch.cuda.get_device_properties(t.device).uuid):
                     torch.multiprocessing.reductions.reduce_tensor(t)[1]} for _, t in chunk]
@@ -2590,10 +2534,9 @@ class HarborRolloutWorker(HarnessRolloutWorker):
     pending: list[int] = []  # the untrained groups of the checkpoint resumed from (build_trainer)
 
     def start(self) -> None:
-        # TRL set dataset_start_index from the resumed checkpoint; the untrained groups it left come first.
         # private: TRL's worker holds the child's arguments only as _loop_kwargs (and writes them there itself)
         kw = self._loop_kwargs
-        self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])
+        self.order = VisitOrder(kw["dataset"], self.pending, kw["dataset_start_index"])  # TRL's resumed position
         kw.update(dataset=self.order, dataset_start_index=0)
         super().start()
         read_only(self.rollout_buffer, self.metrics_queue)
@@ -2613,8 +2556,7 @@ class HarborRolloutWorker(HarnessRolloutWorker):
 
 
 class StopAtStepEnd(TrainerCallback):
-    """Ends training at this step's end, with a save, once any rank has a stop request (SIGTERM, SIGUSR1); completes
-    every checkpoint saved."""
+    """Ends training at the step's end, with a save, once any rank has a stop request; completes each checkpoint."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -2624,18 +2566,15 @@ class StopAtStepEnd(TrainerCallback):
         # A signal may reach some ranks only, or at other times: they agree here, as TRL's epoch stop does.
         asked = torch.tensor(int(STOP.signal_name is not None), device=trainer.accelerator.device)
         if int(trainer.accelerator.reduce(asked, reduction="sum").item()):
-            trainer.stop_agreed = True
-            control.should_save = True
-            control.should_training_stop = True
+            trainer.stop_agreed = control.should_save = control.should_training_stop = True
 
     def on_save(self, _args, _state, _control, **_kwargs):
         self.trainer.complete_checkpoint()
 
 
 class HeldOutEval(TrainerCallback):
-    """--eval-tasks on rank 0 before the first step, every --eval-steps and at the last, at the step's end: after TRL
-    pushed the step's weights, before StopAtStepEnd (a stop request cuts it short). The other ranks wait for it in
-    `group`, a gloo group whose timeout is the eval's budget (eval_budget_s), not training's (ddp_timeout)."""
+    """--eval-tasks on rank 0 before the first step, every --eval-steps and at the last, after the step's push; the
+    other ranks wait in `group`, a gloo group whose timeout is the eval's budget (eval_budget_s)."""
 
     def __init__(self, trainer, args: argparse.Namespace, plan: dict[str, Any], group):
         self.trainer, self.args, self.plan, self.group = trainer, args, plan, group
@@ -2672,9 +2611,8 @@ class HeldOutEval(TrainerCallback):
 
 
 class StepLog(Trainer):
-    """The step line and the launch's totals. After AsyncGRPOTrainer in HarborGRPOTrainer's MRO, its log() runs
-    between TRL's, which reduced the rollout child's metrics into the step's log, and transformers', which records it.
-    A micro-batch is trained once a training step took it: accelerate collates one ahead, which a stop leaves."""
+    """The step line and the launch's totals. HarborGRPOTrainer's MRO runs its log() between TRL's, which reduced the
+    child's metrics into the step's log, and transformers', which records it."""
 
     def log(self, logs, start_time=None):
         if "loss" in logs and self.accelerator.is_main_process:
@@ -2694,25 +2632,26 @@ class StepLog(Trainer):
         self.trained_groups.update(trained)
         samples = sum(sum(groups.values()) for groups in batches)
         (high, low, beyond, tokens, informative), self.terms = self.terms, NO_TERMS
-        got = {key: logs.get(f"harbor/{key}") or 0.0 for key in ("rollouts_total", "errors_total", "groups_total",
-                                                                  "zero_variance_groups_total", "sandbox_s_total")}
-        logs |= {"harbor/rollouts_per_min": got["rollouts_total"] / elapsed * 60,
+        n = collections.Counter({key.removeprefix("harbor/"): value for key, value in logs.items()
+                                 if key.endswith("_total") and value})
+        logs |= {"harbor/rollouts_per_min": n["rollouts_total"] / elapsed * 60,
                  "harbor/trained/groups": float(len(trained)), "harbor/trained/samples": float(samples)}
+        ratio = signal = ""
         if tokens:
             logs |= {"harbor/trained/informative_token_frac": informative / tokens, "harbor/ratio_max": high,
                      "harbor/ratio_min": low, "harbor/ratio_beyond_bound_frac": beyond / tokens}
+            signal = f", {informative / tokens:.0%} with a non-zero advantage"
+            ratio = f"; importance ratio {low:.3g}-{high:.3g}, {beyond / tokens:.0%} beyond the bound"
         self.count(logs)
         self.totals.update(trained_tokens=int(tokens), informative_tokens=int(informative))
-        scored, rate = int(got["rollouts_total"] - got["errors_total"]), logs.get("harbor/solve_rate")
+        scored, rate = int(n["rollouts_total"] - n["errors_total"]), logs.get("harbor/solve_rate")
         frac = logs.get("harbor/zero_variance_frac")
-        errors = "".join(f" {kind}={n}" for kind, n in error_kinds(logs).items())
-        signal = f", {informative / tokens:.0%} with a non-zero advantage" if tokens else ""
-        ratio = f"; importance ratio {low:.3g}-{high:.3g}, {beyond / tokens:.0%} beyond the bound" if tokens else ""
-        say(f"[harbor] step {step}: {int(got['groups_total'])} groups finished, "
-            f"{int(got['zero_variance_groups_total'])} zero-variance ({'-' if frac is None else f'{frac:.0%}'}); "
-            f"{int(got['rollouts_total'])} rollouts ({logs['harbor/rollouts_per_min']:.1f}/min), sandbox "
-            f"{got['sandbox_s_total']:.0f}s, solve rate {'-' if rate is None else f'{rate:.2f}'} "
-            f"({round((rate or 0) * scored)}/{scored}), errors {int(got['errors_total'])}{errors}; trained "
+        errors = "".join(f" {kind}={k}" for kind, k in error_kinds(logs).items())
+        say(f"[harbor] step {step}: {int(n['groups_total'])} groups finished, "
+            f"{int(n['zero_variance_groups_total'])} zero-variance ({'-' if frac is None else f'{frac:.0%}'}); "
+            f"{int(n['rollouts_total'])} rollouts ({logs['harbor/rollouts_per_min']:.1f}/min), sandbox "
+            f"{n['sandbox_s_total']:.0f}s, solve rate {'-' if rate is None else f'{rate:.2f}'} "
+            f"({round((rate or 0) * scored)}/{scored}), errors {int(n['errors_total'])}{errors}; trained "
             f"{len(trained)} groups ({','.join(map(str, trained)) or '-'}), {samples} samples, {tokens:.0f} tokens"
             f"{signal}{ratio}")
 
@@ -2738,8 +2677,7 @@ class StepLog(Trainer):
             + (f"; held-out pass rate {rate(min(evals))} -> {rate(max(evals))}" if evals else ""))
 
 
-# A step's loss terms, over every rank: importance ratio max and min, how many beyond --delta, how many, how many with
-# a non-zero advantage.
+# A step's loss terms over every rank: ratio max, min, how many beyond --delta, how many, how many with an advantage.
 NO_TERMS = (-math.inf, math.inf, 0.0, 0.0, 0.0)
 
 
@@ -2766,8 +2704,7 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
                                                     lambda: self.model_version, self.args.max_staleness)
         model = self.accelerator.unwrap_model(self.model)
         if is_peft_model(model):
-            # TRL's merged push calls PEFT's merge_adapter and unmerge_adapter: in bfloat16 the in-place round trip is
-            # not exact, so the frozen base would drift at every push. _streaming_iter sends the sum out of place.
+            # PEFT's in-place merge and unmerge drift the bfloat16 base at each push: _streaming_iter sums out of place.
             model.merge_adapter = model.unmerge_adapter = lambda *a, **kw: None
 
     def train(self, *a, **kw):
@@ -2784,16 +2721,14 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
             base = getattr(loader, "base_dataloader", loader)
             self.collated_groups = base.collate_fn.groups_trained  # TRL's collator adds each group it collates
             base.collate_fn = functools.partial(self.collate, base.collate_fn)
-            # The other ranks wait in accelerate's broadcast of rank 0's next micro-batch: a stop that ends rank 0's
-            # wait for rollouts reaches them as one more batch, and every rank leaves the step at the same point.
+            # A stop that ends rank 0's wait reaches the ranks waiting in accelerate's broadcast as one more batch.
             # private: torch's DataLoader makes each pass's iterator in _get_iterator; no public hook wraps it
             make = base._get_iterator
             base._get_iterator = lambda: stop_batch_on_preempt(make(), self.accelerator.num_processes)
         return loader
 
     def collate(self, collate, examples):
-        """TRL's collator, which sees a micro-batch whole: every rank's row."""
-        (rows,) = examples
+        (rows,) = examples  # TRL's collator sees a micro-batch whole: every rank's row
         self.collated.append(collections.Counter(sample["group_id"] for row in rows for sample in row.samples))
         return collate(examples)
 
@@ -2806,13 +2741,12 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.accelerator.is_main_process and self.collated:
+        if self.accelerator.is_main_process and self.collated:  # accelerate collates one ahead of the step
             self.step_batches.append(self.collated.popleft())
         return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # TRL's loss reads the forward's `log_probs` at `token_index` against `old_log_probs`, the engine's: bounded
-        # on the way out of the forward, every loss term and TRL's own metrics (`ratio`, `kl`) see the bounded ratio.
+        # Bounded on the way out of the forward, every loss term and TRL's own metrics see the bounded ratio.
         hook = model.register_forward_hook(functools.partial(self.bound_ratio, inputs))
         try:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -2821,9 +2755,8 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
 
     def bound_ratio(self, inputs, _module, _args, outputs):
         """The dual clip (--delta): TRL clips r = p_trainer / p_engine only where it helps the advantage's sign, so a
-        negative-advantage token whose probability grew far past the engine's adds r x |A|, unbounded (measured on the
-        CPU rig: r 1.9e8, grad norm 6e9). Capped at delta, as TRL's GRPOConfig `delta`, it adds delta x |A| and no
-        gradient; a packed position several samples share, at its lowest bound."""
+        negative-advantage token adds r x |A|, unbounded; capped at delta it adds delta x |A| and no gradient. A packed
+        position several samples share gets its lowest bound."""
         selected = inputs["token_index"] >= 0
         index, old = inputs["token_index"][selected], inputs["old_log_probs"][selected]
         log_probs = outputs.log_probs.flatten()
@@ -2844,9 +2777,8 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
         return outputs
 
     def complete_checkpoint(self) -> None:
-        """Writes the resume order into the checkpoint just saved, last: it marks the checkpoint whole. TRL's position
-        would repeat trained groups after it and skip those collated ahead or dropped by a stop. Settled, never run
-        again: a group a step trained, one kept out, and one with no scorable rollout (a rerun would fail again)."""
+        """Writes the resume order into the checkpoint just saved, last: it marks the checkpoint whole. Settled, never
+        run again: a group a step trained, one kept out, one with no scorable rollout (a rerun would fail again)."""
         if not self.accelerator.is_main_process:
             return
         state_file = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}" / "rollout_state.json"
@@ -2884,11 +2816,6 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
             yield name, tensor.to(self.accelerator.device)
 
 
-def numbered_checkpoints(output_dir: str) -> list[Path]:
-    """checkpoint-N dirs, newest first, as transformers rotates them (its get_last_checkpoint gives only the newest)."""
-    return [Path(p) for p in reversed(sort_checkpoints(output_dir))]
-
-
 def checkpoint_problem(path: Path) -> str | None:
     """Why a resume from `path` would fail, or None. A save writes the resume order last (complete_checkpoint)."""
     try:
@@ -2903,48 +2830,40 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest checkpoint a resume can use; each newer one that is corrupt or partial is skipped with a warning."""
-    for path in numbered_checkpoints(output_dir):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return str(path)
-        print(f"warning: skipping {path}: {problem}; trying the checkpoint before it", file=sys.stderr)
-    return None
-
-
 def resolve_resume(args: argparse.Namespace) -> str | None:
     if args.resume is None:
-        if numbered_checkpoints(args.output_dir):
+        if sort_checkpoints(args.output_dir):
             raise UsageError(f"{args.output_dir} already holds checkpoints of another run; pass --resume to "
                              "continue it, or a new --run-name / --output-dir")
         return None
     if args.resume in ("latest", "auto"):
-        path = latest_checkpoint(args.output_dir)
-        if path is None and numbered_checkpoints(args.output_dir):
-            # Starting over would write over them; a human should look first.
+        for path in map(Path, reversed(sort_checkpoints(args.output_dir))):  # newest first
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return str(path)
+            print(f"warning: skipping {path}: {problem}; trying the checkpoint before it", file=sys.stderr)
+        if sort_checkpoints(args.output_dir):  # starting over would write over them
             raise UsageError(f"--resume: no usable checkpoint in {args.output_dir} (see the warnings above); "
                              "repair one, or remove them to start over")
-        if path is None and args.resume == "latest":
+        if args.resume == "latest":
             raise UsageError(f"--resume: no checkpoint-N in {args.output_dir}; pass the run's --run-name or "
                              "--output-dir, or a checkpoint path")
-        return path
+        return None
     if problem := checkpoint_problem(Path(args.resume)):
         raise UsageError(f"--resume {args.resume}: not a usable checkpoint ({problem})")
     return args.resume
 
 
 def lora_mismatch(args: argparse.Namespace, checkpoint: str | None) -> str | None:
-    """A LoRA checkpoint resumed without --use-peft, or full weights with it (transformers would load nothing), or with
-    other --lora-* flags (PEFT loads into the adapter the flags built: another rank fails, another alpha rescales)."""
+    """A LoRA checkpoint resumed without --use-peft, full weights with it (transformers would load nothing), or an
+    adapter other --lora-* flags built (PEFT would fail on another rank, rescale with another alpha)."""
     saved = Path(checkpoint or "") / "adapter_config.json"
     if checkpoint is not None and args.use_peft and saved.is_file():
         config = json.loads(saved.read_text())
         flags = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "use_rslora": args.use_rslora}
         differ = [f"{key} {config.get(key)!r} (flags: {value!r})" for key, value in flags.items()
                   if config.get(key) != value]
-        # PEFT saves the modules its target_modules resolved to: so are the flags' compared (the LoRA targets row says
-        # so where they resolve to none, or --model is unreadable).
+        # PEFT saves the modules its target_modules resolved to: so are the flags' (resolving to none: another row).
         if model_shape_error(args) is None:
             with contextlib.suppress(ValueError):
                 ours = set(lora_model(args).peft_config["default"].target_modules)
@@ -2979,8 +2898,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                                                   record_path=os.path.join(args.output_dir, "rollouts.jsonl"),
                                                   split_by_harness=len(args.harnesses) > 1),
         rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit),
-        efficiency_weight=args.efficiency_weight,
-        max_zero_variance_groups=args.max_zero_variance_groups, groups_per_pass=len(dataset),
+        efficiency_weight=args.efficiency_weight, max_zero_variance_groups=args.max_zero_variance_groups,
         groups_path=os.path.join(args.output_dir, "groups.jsonl"),
     )
     if plan.get("resume"):  # TRL reads the checkpoint's position itself; the untrained groups before it go first

@@ -191,8 +191,9 @@ def through_factory(rig: Rig, model_dir: Path, tasks: list, n: int, count: int, 
     try:
         deadline = time.monotonic() + 60 + count * 60
         while not w.done.is_set():
-            if worker._failed_event.is_set() or time.monotonic() > deadline:
-                raise RuntimeError("the rollout worker failed or stalled")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the rollout worker stalled")
+            worker.check_health(stale_after_s=deadline - time.monotonic() + 60)  # raises once the child failed
             try:
                 while True:
                     worker.rollout_buffer.get_nowait()

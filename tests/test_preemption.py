@@ -3,6 +3,7 @@ where the run stopped (optimizer steps, model version, task order), past a save 
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import json
@@ -207,7 +208,7 @@ def test_a_damaged_checkpoint_is_not_resumed_from(preempted_and_relaunched, tmp_
         file.unlink()
     else:
         file.write_text(file.read_text()[:40])
-    assert agh.latest_checkpoint(str(run)) == str(run / "checkpoint-2")
+    assert agh.resolve_resume(argparse.Namespace(resume="auto", output_dir=str(run))) == str(run / "checkpoint-2")
 
 
 def test_resume_auto_refuses_a_run_name_that_changes_per_launch(tmp_path):

@@ -38,7 +38,7 @@ def scoring_loop(max_zero_variance_groups: int = 100):
     loop = object.__new__(agh.HarborRolloutLoop)
     loop.reward_funcs, loop._env_reward_types, loop.reward_func_names = [], [], ["harness_reward"]
     loop.efficiency_weight, loop.max_zero_variance_groups, loop.flat_run = W, max_zero_variance_groups, []
-    loop.stop_event, loop.passes = threading.Event(), agh.PassRate(1)
+    loop.stop_event = threading.Event()
     loop.failures, loop.failed_event = queue.Queue(), threading.Event()  # TRL's failure channel to the trainer
     loop._counters, loop._rates = defaultdict(float), defaultdict(lambda: [0.0, 0.0])
     loop.factory = SimpleNamespace(split_by_harness=False, _say=print)

@@ -16,7 +16,7 @@ from datetime import datetime
 
 import pytest
 from conftest import (E2E_TASKS, EVAL_TASKS, GENERATIONS, HARNESSES, SECRETS, TASKS,
-                      assert_all_slots_free, default_filter, load_script, log_history, rollouts, run_main, run_script,
+                      assert_all_slots_free, default_filter, log_history, rollouts, run_main, run_script,
                       train_args)
 from safetensors.torch import load_file
 from test_refusals import assert_refused
@@ -276,16 +276,6 @@ def test_each_step_shows_the_solve_rate_of_the_rollouts_it_scored(trained):
     assert sum(int(s[2]) for s in steps) <= sum(r["reward"] > 0 for r in records if r["reward"] is not None)
     # Every rollout names its Harbor trial (the server's own record of it) and how its agent ended.
     assert all((out.parent / "trials" / r["trial"] / "result.json").is_file() and r["exit"] == "ok" for r in records)
-
-
-def test_solve_rate_per_pass_over_the_task_list():
-    # Two tasks: a pass is two whole groups, whatever steps they straddle; unscorable rollouts are left out of it, as
-    # of a GRPO baseline.
-    passes = load_script().PassRate(2)
-    assert passes.add(1, 2) == (0, 0)  # group 0: 1 of its 2 rollouts solved
-    assert passes.add(1, 1) == (2, 3)  # group 1: 1 solved, 1 unscorable; the first pass is complete
-    assert passes.add(0, 2) == (0, 0)
-    assert passes.add(2, 2) == (2, 4)
 
 
 def test_held_out_tasks_are_measured_before_training_every_n_steps_and_at_the_end(trained):
