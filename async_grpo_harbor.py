@@ -2317,7 +2317,7 @@ class FreshestGroupFirst(ChildQueue):
         return len(self.held) + super().qsize()
 
 
-def stop_rollout_worker(worker: Any, timeout_s: float = 10.0) -> None:
+def stop_rollout_worker(worker: Any, timeout_s: float = 30.0) -> None:  # a loaded machine's child took over 10 s
     """TRL's `stop()` without its hangs (a child that cannot exit while its queues are unread, an Event set after the
     child's exit): the queues drain while the child exits, then SIGTERM, then SIGKILL; drained metrics are kept."""
     # private: TRL's worker holds its child only as _process, and its stop Event as _stop_event_mp
