@@ -189,7 +189,7 @@ class ScriptArguments:
     lora_r: int = arg(16, "LoRA R value.")
     lora_alpha: int = arg(32, "LoRA alpha.")
     lora_dropout: float = arg(0.05, "LoRA dropout.")
-    lora_target_modules: list[str] | None = arg(None, "LoRA target modules; all-linear: every linear layer.",
+    lora_target_modules: list[str] | None = arg(None, "LoRA target modules; all-linear: every linear but the head.",
                                                 shown="PEFT's for the architecture", nargs="+")
     use_rslora: bool = arg(False, "Rank-Stabilized LoRA: scale the adapter by lora_alpha/√r, not lora_alpha/r.")
 
@@ -336,7 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.harnesses = [name.strip() for name in args.harness.split(",") if name.strip()]
     if not args.harnesses:
         raise UsageError("--harness is empty; name one, e.g. mini-swe-agent, or several: mini-swe-agent,terminus-2")
-    band = re.fullmatch(r"(\d*\.?\d+),(\d*\.?\d+)", args.band)
+    band = re.fullmatch(r"\s*(\d*\.?\d+)\s*,\s*(\d*\.?\d+)\s*", args.band)
     if not (band and 0 <= float(band[1]) <= float(band[2]) <= 1):
         raise UsageError(f"--band {args.band}: give two pass rates LOW,HIGH, 0 <= LOW <= HIGH <= 1, e.g. 0.1,0.9")
     args.band = float(band[1]), float(band[2])
@@ -656,7 +656,7 @@ class HarborSession(ResourceSession):
         self.started = time.time()
         # The proxy takes a training policy only from an engine it captures tokens from; any engine takes an eval one.
         policy = {"purpose": "eval", "eval_sampling": f.eval_sampling} if f.eval_sampling else {"sampling": f.sampling}
-        lost, backoff, full_since = False, 1.0, None
+        lost, backoff, full_since, forgot_since = False, 1.0, None, None
         while not self._stopped.is_set():
             try:
                 f.reach_capture()
@@ -669,8 +669,11 @@ class HarborSession(ResourceSession):
                     agent_step_limit=f.agent_step_limit, **policy)
                 return judge_rollout(self.result, self.task_name, require_tokens=f.require_tokens,
                                      reward_key=f.reward_key)
-            except SessionLost:
-                lost, wait = True, backoff  # the server answers: no outage, only a new session
+            except SessionLost as exc:  # the server answers: no outage, only a new session, within the window
+                lost, forgot_since = True, forgot_since or time.monotonic()
+                wait = min(backoff, forgot_since + f.retry_window_s - time.monotonic())
+                if wait <= 0:
+                    return Failure("session_lost", f"{exc}, again for {f.retry_window_s:g}s (--harbor-retry-window)")
             except ServerLost as exc:
                 if self._stopped.is_set():
                     return None
@@ -734,6 +737,7 @@ class HarborSessionFactory(ResourceSessionFactory):
         self._lock = threading.Lock()
         self._consecutive_failures = 0
         self._outage_since: float | None = None  # since when the server or the capture proxy has not answered
+        self._outage_what = ""  # which of the two
         self.running: set[HarborSession] = set()  # inside wait_for_completion: each may hold a server slot
         self.running_changed = threading.Condition()  # never taken by the main thread, where abandon runs
         self.closing = False
@@ -755,7 +759,7 @@ class HarborSessionFactory(ResourceSessionFactory):
             multiprocessing.connection.wait([trainer])
             os.kill(os.getpid(), signal.SIGTERM)  # abandon, in the main thread: no rollout starts meanwhile
 
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer stops us
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the trainer's stop request; it stops us when it is ready
         signal.signal(signal.SIGTERM, abandon)
         threading.Thread(target=watch, name="harbor-trainer-watch", daemon=True).start()
@@ -786,11 +790,12 @@ class HarborSessionFactory(ResourceSessionFactory):
         """Seconds left of the run's one outage window: from the first `exc` to the first call answered (None)."""
         now = time.monotonic()
         with self._lock:
-            since = self._outage_since
+            since, what = self._outage_since, self._outage_what
             self._outage_since = None if exc is None else since or now
+            self._outage_what = what if exc is None or since else exc.what
             waiting = sum(s.result is None for s in list(self.running))
         if exc is None and since is not None:
-            self._say(f"[harbor] the Harbor server answers again after {now - since:.0f}s")
+            self._say(f"[harbor] {what} answers again after {now - since:.0f}s")
         elif exc is not None and since is None:
             self._say(f"[harbor] {exc.what} is not answering ({exc.why}) with {waiting} rollouts in flight: they "
                       f"start again once it answers, within {self.retry_window_s:g}s (--harbor-retry-window)")
@@ -944,7 +949,8 @@ class EmbeddedHarborServer:
             started_at = log.tell()
             env = {**os.environ, **harbor_server_env(), "MAX_CONCURRENT_ENVS": str(slots)}
             try:
-                # prctl(PR_SET_PDEATHSIG, SIGTERM): the server ends with us, even when we die by SIGKILL or OOM.
+                # prctl(PR_SET_PDEATHSIG, SIGTERM): the server ends when the thread that started it ends, even by
+                # SIGKILL or OOM.
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              env=env, start_new_session=True,
                                              preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGTERM))
@@ -1387,7 +1393,9 @@ def check_context(pf: Preflight) -> None:
     shown = "the harness shows back"
     if set(args.harnesses) == {"mini-swe-agent"}:
         shown = f"(mini-swe-agent shows up to {MINI_SWE_AGENT_OUTPUT_CHARS:,} characters of each)"
-    if worst > max_len:
+    if not max_len:
+        pf.add("context", WARN, "vLLM did not report its max_model_len")
+    elif worst > max_len:
         pf.add("context", WARN, f"{counted} > vLLM's max_model_len {max_len:,}",
                "lower --agent-step-limit or --max-completion-length, or raise vLLM's --max-model-len")
     else:
@@ -1504,7 +1512,8 @@ def check_trainer_gpu(pf: Preflight) -> None:
                "make the trainer's GPU visible: CUDA_VISIBLE_DEVICES=<its index or GPU-UUID, nvidia-smi -L>")
     elif not gpus:
         # NCCL moves GPU memory only, and torch shares no CUDA memory from CPU tensors (the CPU tests stand in for both)
-        if reduce_tensor(torch.zeros(1))[0] is rebuild_cuda_tensor if pf.ipc else is_nccl_available():
+        pushes = reduce_tensor(torch.zeros(1))[0] is rebuild_cuda_tensor if pf.ipc else is_nccl_available()
+        if pushes:
             pf.add("trainer GPU", SKIP, "no CUDA device visible: the trainer runs on CPU")
         else:
             how = "CUDA IPC cannot push weights from a CPU trainer" if pf.ipc else "NCCL moves GPU memory only"
@@ -1557,8 +1566,9 @@ def check_same_gpu(pf: Preflight) -> None:
                f"GPU-{mine}: CUDA IPC reaches only the same GPU",
                f"start this script with CUDA_VISIBLE_DEVICES=GPU-{theirs}")
     else:
-        pf.add("same GPU", WARN, f"whether vLLM runs on cuda:0 ({props.name}) could not be verified (nvidia-smi"
-               f"{' under MIG' if mig else ''})", "start vLLM and this script with the same "
+        why = "MIG" if mig else "no nvidia-smi" if pf.gpu_apps is None else "nvidia-smi shows no vLLM process"
+        pf.add("same GPU", WARN, f"whether vLLM runs on cuda:0 ({props.name}) could not be verified ({why})",
+               "start vLLM and this script with the same "
                "CUDA_VISIBLE_DEVICES=GPU-<UUID> (MIG-<UUID> under MIG; nvidia-smi -L)")
 
 
@@ -1681,18 +1691,18 @@ def check_capture_url(pf: Preflight) -> bool:
         picked, why = tunnel, f"{runs}, which has its own network namespace (docker's bridge network)"
     else:
         picked, why = "direct", f"{runs}; whether that reaches this host's 127.0.0.1 is not known here"
-    unknown = in_sandbox and picked == "direct"
+    known = not in_sandbox or picked != "direct"
     probe = "confirm with --check --probe-rollout (one real rollout), or set --harbor-expose"
     if args.harbor_expose == "auto":
         args.harbor_expose = picked
-        return pf.add("capture URL", WARN if unknown else PASS, f"--harbor-expose auto: {picked}. {why}", probe)
+        return pf.add("capture URL", PASS if known else WARN, f"--harbor-expose auto: {picked}. {why}", probe)
     if args.harbor_expose == "direct" and picked != "direct":
         return pf.add("capture URL", FAIL, f"--harbor-expose direct advertises 127.0.0.1, which the harness cannot "
                       f"reach: {why}", f"--harbor-expose {picked} (or auto)")
     if args.harbor_expose == "cloudflare" and tunnel != "cloudflare":
         return pf.add("capture URL", FAIL, "--harbor-expose cloudflare needs `cloudflared` on PATH",
                       "install cloudflared, or use --harbor-expose gradio")
-    unknown = unknown and args.harbor_expose == "direct"
+    unknown = args.harbor_expose == "direct" and not known
     return pf.add("capture URL", WARN if unknown else PASS, f"--harbor-expose {args.harbor_expose}"
                   + (f": {why}" if unknown else ""), probe)
 
@@ -2507,7 +2517,7 @@ class CudaIpcWeightTransfer(WeightTransferClient):
             answer = " ".join(str(exc).split())[:300]  # vLLM 0.26 answers a refused push with a bare 500
             raise WeightTransferRefused(
                 f"weight push to vLLM at {self.vllm.server_url} over CUDA IPC failed ({answer}); the cause is in "
-                "vLLM's server log. Run vLLM on the trainer's GPU (not on another GPU than the trainer), started as "
+                "vLLM's server log. Run vLLM on the trainer's GPU, started as "
                 "VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve ... --weight-transfer-config "
                 "'{\"backend\":\"ipc\"}'"
             ) from exc
@@ -2946,7 +2956,7 @@ def main(argv: list[str] | None = None) -> int:
             code, plan, args.run_name, args.output_dir, args.harbor_url = shared[0]
             args.config.run_name, args.config.output_dir = args.run_name, args.output_dir
         if code is None:
-            return run_measure(args, plan) if args.measure else train(args, plan)
+            return run_measure(args, plan) if args.measure else train(args, plan, server)
     except KeyboardInterrupt:
         print(f"\n[harbor] interrupted; checkpoints so far are in {args.output_dir}", file=sys.stderr)
         return 130
@@ -2990,7 +3000,7 @@ def print_hyperparameters(args: argparse.Namespace, plan: dict[str, Any]) -> Non
     })
 
 
-def train(args: argparse.Namespace, plan: dict[str, Any]) -> int:
+def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarborServer | None) -> int:
     if launch_rank() == 0:
         print_hyperparameters(args, plan)
     if plan.get("gpu_memory_fraction"):  # vLLM shares this GPU: the trainer-memory row's cap
@@ -3006,6 +3016,8 @@ def train(args: argparse.Namespace, plan: dict[str, Any]) -> int:
         return 2
     except TrainingStopped as exc:
         fix = f". Fix the cause, then relaunch with --output-dir {args.output_dir} --resume"
+        if server is not None and server.proc is not None and server.proc.poll() is not None:
+            fix = f" (our Harbor server exited with code {server.proc.returncode}; its log: {server.log_path}){fix}"
         # The newline ends the step's progress bar, which holds the line on stderr while it runs.
         print(f"\nerror: training stopped: {exc}{fix if isinstance(exc, RolloutsFailing) else ''}", file=sys.stderr)
         return 1
