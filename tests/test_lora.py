@@ -91,8 +91,8 @@ def test_lora_trains_adapters_and_checkpoints_only_them(lora_runs):
     first, out = lora_runs["first"], lora_runs["out"]
     assert first.returncode == 0, first.stderr[-3000:]
     assert "LoRA" in first.stdout and "merged sync" in first.stdout
-    assert "bfloat16 base (frozen), float32 LoRA adapters" in first.stdout
-    assert "(adapter + its AdamW state)" in first.stdout
+    assert "LoRA: float32 adapters on a frozen bfloat16 base" in first.stdout  # the precision row
+    assert "each (float32 adapter + 2 AdamW moments)" in first.stdout  # the checkpoints row
     for step in (2, 3):  # the first run's checkpoint-2 and the resumed run's checkpoint-3 (checkpoint-1 rotated out)
         checkpoint = out / f"checkpoint-{step}"
         names = {p.name for p in checkpoint.iterdir()}
