@@ -2517,9 +2517,9 @@ class CudaIpcWeightTransfer(WeightTransferClient):
             answer = " ".join(str(exc).split())[:300]  # vLLM 0.26 answers a refused push with a bare 500
             raise WeightTransferRefused(
                 f"weight push to vLLM at {self.vllm.server_url} over CUDA IPC failed ({answer}); the cause is in "
-                "vLLM's server log. Run vLLM on the trainer's GPU, started as "
-                "VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve ... --weight-transfer-config "
-                "'{\"backend\":\"ipc\"}'"
+                "vLLM's server log; most likely vLLM runs on another GPU than the trainer, or without its ipc "
+                "settings: run it on the trainer's GPU, started as VLLM_SERVER_DEV_MODE=1 "
+                "VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve ... --weight-transfer-config '{\"backend\":\"ipc\"}'"
             ) from exc
         self.vllm.finish_weight_update(timeout=self.weight_sync_timeout)
         self.sent = []
