@@ -222,7 +222,7 @@ class HarborGRPOConfig(AsyncGRPOConfig):
     max_inflight_tasks: int = field(default=1, init=False, metadata={"help": "from --max-inflight"})
     vllm_server_base_url: str = field(default="", init=False, metadata={"help": "from --vllm-url"})
     request_timeout: int = field(default=0, init=False, metadata={"help": "from --agent-timeout"})
-    ddp_timeout: int = field(default=0, init=False, metadata={"help": "from --agent-timeout"})
+    ddp_timeout: int = field(default=0, init=False, metadata={"help": "from --num-generations x --agent-timeout"})
     save_strategy: str = field(default="steps", init=False, metadata={"help": "from --save-steps"})
     logging_steps: float = field(default=1, init=False, metadata={"help": "to 1: a line per step"})
     resume_from_checkpoint: str | None = field(default=None, init=False, metadata={"help": "from --resume"})
@@ -336,10 +336,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.harnesses = [name.strip() for name in args.harness.split(",") if name.strip()]
     if not args.harnesses:
         raise UsageError("--harness is empty; name one, e.g. mini-swe-agent, or several: mini-swe-agent,terminus-2")
-    band = re.fullmatch(r"\s*(\d*\.?\d+)\s*,\s*(\d*\.?\d+)\s*", args.band)
-    if not (band and 0 <= float(band[1]) <= float(band[2]) <= 1):
+    try:
+        low, high = (float(x) for x in args.band.split(","))
+    except ValueError:
+        low = high = math.nan  # refused below
+    if not 0 <= low <= high <= 1:
         raise UsageError(f"--band {args.band}: give two pass rates LOW,HIGH, 0 <= LOW <= HIGH <= 1, e.g. 0.1,0.9")
-    args.band = float(band[1]), float(band[2])
+    args.band = low, high
     if args.max_inflight < args.num_generations and not args.measure:  # a group is scored once all its rollouts end
         raise UsageError(f"--max-inflight ({args.max_inflight}) must be >= --num-generations ({args.num_generations})")
     if not args.temperature > 0:
@@ -572,8 +575,9 @@ class HarborServerSession:
             # A rollout is one request silent for minutes: keepalive keeps a NAT from dropping it unseen, and finds
             # a vanished host in 90 s, not Linux's default 2 h 11 min.
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            for option, value in ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 6)):
-                conn.sock.setsockopt(socket.IPPROTO_TCP, option, value)
+            for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+                if hasattr(socket, option):  # Linux's names; macOS has no TCP_KEEPIDLE
+                    conn.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
             with self._lock:
                 if cut and self.closed:
                     raise RuntimeError("session closed")
@@ -660,6 +664,8 @@ class HarborSession(ResourceSession):
         while not self._stopped.is_set():
             try:
                 f.reach_capture()
+                if self._stopped.is_set():  # stopped while the tunnel answered (up to its 30 s timeout)
+                    return None
                 client.open()
                 f.outage(None)
                 self.retries, lost = self.retries + lost, False
@@ -2160,6 +2166,7 @@ def run_measure(args: argparse.Namespace, plan: dict[str, Any]) -> int:
 # --- Trainer ----------------------------------------------------------------------------------------------------------
 # A group's size on each sample: FreshestGroupFirst tells a whole group from one whose last samples are on their way.
 GROUP_SAMPLES = "harbor_group_samples"
+GROUPS_FILE = "groups.jsonl"  # in the output dir: how each group settled, which a checkpoint's resume order reads
 
 
 class HarborRolloutLoop(_HarnessRolloutLoop):
@@ -2793,7 +2800,7 @@ class HarborGRPOTrainer(AsyncGRPOTrainer, StepLog):
             return
         state_file = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}" / "rollout_state.json"
         state, order = json.loads(state_file.read_text()), self.rollout_worker.order
-        groups = Path(self.args.output_dir) / "groups.jsonl"
+        groups = Path(self.args.output_dir) / GROUPS_FILE
         lines = groups.read_text().split("\n")[:-1] if groups.is_file() else []  # whole lines: the child writes on
         last = {r["visit"]: r for r in map(json.loads, lines)}  # the last line of a visit says how it settled
         kept_out = {r["group"] for r in last.values()
@@ -2841,18 +2848,19 @@ def checkpoint_problem(path: Path) -> str | None:
 
 
 def resolve_resume(args: argparse.Namespace) -> str | None:
+    checkpoints = [Path(p) for p in reversed(sort_checkpoints(args.output_dir))]  # newest first
     if args.resume is None:
-        if sort_checkpoints(args.output_dir):
+        if checkpoints:
             raise UsageError(f"{args.output_dir} already holds checkpoints of another run; pass --resume to "
                              "continue it, or a new --run-name / --output-dir")
         return None
     if args.resume in ("latest", "auto"):
-        for path in map(Path, reversed(sort_checkpoints(args.output_dir))):  # newest first
+        for path in checkpoints:
             problem = checkpoint_problem(path)
             if problem is None:
                 return str(path)
             print(f"warning: skipping {path}: {problem}; trying the checkpoint before it", file=sys.stderr)
-        if sort_checkpoints(args.output_dir):  # starting over would write over them
+        if checkpoints:  # starting over would write over them
             raise UsageError(f"--resume: no usable checkpoint in {args.output_dir} (see the warnings above); "
                              "repair one, or remove them to start over")
         if args.resume == "latest":
@@ -2909,7 +2917,7 @@ def build_trainer(args: argparse.Namespace, split: str, tasks: list[dict[str, An
                                                   split_by_harness=len(args.harnesses) > 1),
         rollout_reward_fn=functools.partial(harbor_reward, step_limit=args.agent_step_limit),
         efficiency_weight=args.efficiency_weight, max_zero_variance_groups=args.max_zero_variance_groups,
-        groups_path=os.path.join(args.output_dir, "groups.jsonl"),
+        groups_path=os.path.join(args.output_dir, GROUPS_FILE),
     )
     if plan.get("resume"):  # TRL reads the checkpoint's position itself; the untrained groups before it go first
         worker.pending = json.loads((Path(plan["resume"]) / "rollout_state.json").read_text())["pending"]
@@ -3015,11 +3023,13 @@ def train(args: argparse.Namespace, plan: dict[str, Any], server: EmbeddedHarbor
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
     except TrainingStopped as exc:
-        fix = f". Fix the cause, then relaunch with --output-dir {args.output_dir} --resume"
-        if server is not None and server.proc is not None and server.proc.poll() is not None:
-            fix = f" (our Harbor server exited with code {server.proc.returncode}; its log: {server.log_path}){fix}"
+        reason = str(exc)
+        if isinstance(exc, RolloutsFailing):
+            if server is not None and server.proc is not None and server.proc.poll() is not None:
+                reason += f" (our Harbor server exited with code {server.proc.returncode}; its log: {server.log_path})"
+            reason += f". Fix the cause, then relaunch with --output-dir {args.output_dir} --resume"
         # The newline ends the step's progress bar, which holds the line on stderr while it runs.
-        print(f"\nerror: training stopped: {exc}{fix if isinstance(exc, RolloutsFailing) else ''}", file=sys.stderr)
+        print(f"\nerror: training stopped: {reason}", file=sys.stderr)
         return 1
     if trainer.stop_agreed and trainer.state.global_step < args.max_steps:
         return save_for_requeue(trainer, args)
