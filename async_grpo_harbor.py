@@ -660,7 +660,7 @@ class HarborSession(ResourceSession):
         self.started = time.time()
         # The proxy takes a training policy only from an engine it captures tokens from; any engine takes an eval one.
         policy = {"purpose": "eval", "eval_sampling": f.eval_sampling} if f.eval_sampling else {"sampling": f.sampling}
-        lost, backoff, full_since, forgot_since = False, 1.0, None, None
+        lost, backoff, since = False, 1.0, {}  # since: when the server first answered SessionLost / ServerFull
         while not self._stopped.is_set():
             try:
                 f.reach_capture()
@@ -675,11 +675,6 @@ class HarborSession(ResourceSession):
                     agent_step_limit=f.agent_step_limit, **policy)
                 return judge_rollout(self.result, self.task_name, require_tokens=f.require_tokens,
                                      reward_key=f.reward_key)
-            except SessionLost as exc:  # the server answers: no outage, only a new session, within the window
-                lost, forgot_since = True, forgot_since or time.monotonic()
-                wait = min(backoff, forgot_since + f.retry_window_s - time.monotonic())
-                if wait <= 0:
-                    return Failure("session_lost", f"{exc}, again for {f.retry_window_s:g}s (--harbor-retry-window)")
             except ServerLost as exc:
                 if self._stopped.is_set():
                     return None
@@ -688,13 +683,15 @@ class HarborSession(ResourceSession):
                 if wait <= 0:
                     return Failure(SERVER_GONE, f"{exc.what} has not answered for {f.retry_window_s:g}s "
                                                 f"(last: {exc.why})")
-            except ServerFull as exc:
+            except (SessionLost, ServerFull) as exc:  # the server answers (no outage): a new session, within the window
                 f.outage(None)
-                full_since = full_since or time.monotonic()
-                wait = min(backoff, full_since + f.retry_window_s - time.monotonic())
-                if wait <= 0:
+                lost = lost or isinstance(exc, SessionLost)
+                wait = min(backoff, since.setdefault(type(exc), time.monotonic()) + f.retry_window_s - time.monotonic())
+                if wait <= 0 and isinstance(exc, ServerFull):
                     return Failure("server_full", f"{exc}: raise MAX_CONCURRENT_ENVS on the Harbor server to >= 2 x "
                                                   "--max-inflight")
+                if wait <= 0:
+                    return Failure("session_lost", f"{exc}, again for {f.retry_window_s:g}s (--harbor-retry-window)")
             except Exception as exc:  # noqa: BLE001 - this rollout's failure, not the server's: judged unscorable
                 return Failure("transport", f"harbor server call failed: {type(exc).__name__}: {exc}")
             self._stopped.wait(wait)
