@@ -660,7 +660,8 @@ class HarborSession(ResourceSession):
         self.started = time.time()
         # The proxy takes a training policy only from an engine it captures tokens from; any engine takes an eval one.
         policy = {"purpose": "eval", "eval_sampling": f.eval_sampling} if f.eval_sampling else {"sampling": f.sampling}
-        lost, backoff, since = False, 1.0, {}  # since: when the server first answered SessionLost / ServerFull
+        # streak: the answer (SessionLost or ServerFull) the server keeps giving, and since when: the window it gets
+        lost, backoff, streak = False, 1.0, (None, 0.0)
         while not self._stopped.is_set():
             try:
                 f.reach_capture()
@@ -679,14 +680,15 @@ class HarborSession(ResourceSession):
                 if self._stopped.is_set():
                     return None
                 lost = lost or not isinstance(exc, CaptureLost)  # a rollout the capture check held never started
-                wait = min(backoff, f.outage(exc))
+                streak, wait = (None, 0.0), min(backoff, f.outage(exc))
                 if wait <= 0:
                     return Failure(SERVER_GONE, f"{exc.what} has not answered for {f.retry_window_s:g}s "
                                                 f"(last: {exc.why})")
             except (SessionLost, ServerFull) as exc:  # the server answers (no outage): a new session, within the window
                 f.outage(None)
                 lost = lost or isinstance(exc, SessionLost)
-                wait = min(backoff, since.setdefault(type(exc), time.monotonic()) + f.retry_window_s - time.monotonic())
+                streak = streak if streak[0] is type(exc) else (type(exc), time.monotonic())
+                wait = min(backoff, streak[1] + f.retry_window_s - time.monotonic())
                 if wait <= 0 and isinstance(exc, ServerFull):
                     return Failure("server_full", f"{exc}: raise MAX_CONCURRENT_ENVS on the Harbor server to >= 2 x "
                                                   "--max-inflight")

@@ -493,7 +493,9 @@ class RefusalCountingRelay(ThreadingHTTPServer):
     def __init__(self, target: str):
         super().__init__(("127.0.0.1", 0), RelayHandler)
         self.target, self.refusals, self.refused = target, 0, threading.Condition()
-        self.forget = False  # True: the server forgets the session of the next rollout call, as a restart does
+        # What befalls the next rollout calls, in turn: "forget" (the server forgets the session, as a restart does),
+        # "drop" (the connection closes unanswered, as a server going away does), "" (forwarded as it is)
+        self.faults: list[str] = []
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -502,8 +504,10 @@ class RelayHandler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         call = json.loads(body)
-        if call["method"] == "tools/call" and self.server.forget:
-            self.server.forget = False
+        fault = self.server.faults.pop(0) if call["method"] == "tools/call" and self.server.faults else ""
+        if fault == "drop":
+            return  # no answer: the connection closes
+        if fault == "forget":
             post_json(f"{self.server.target}/mcp", {"jsonrpc": "2.0", "id": 1, "method": "openenv/session/close",
                                                     "params": {"session_id": call["params"]["session_id"]}})
         request = urllib.request.Request(self.server.target + self.path, body, {"Content-Type": "application/json"})
@@ -573,7 +577,7 @@ def test_a_server_that_no_longer_knows_the_session_restarts_the_rollout_without_
     rollout's call): the rollout starts again in a new session, and no outage is reported, the server never went."""
     agh = load_script()
     relay = RefusalCountingRelay(rig.harbor_url)
-    relay.forget = True
+    relay.faults = ["forget"]
     task = next(t for t in agh.fetch_catalogue(rig.harbor_url, rig.split) if t["task_name"] == "echo-hello")
     factory = agh.HarborSessionFactory(
         harbor_url=relay.url, harness="mini-swe-agent", sandbox="local", reward_key="correct,reward",
@@ -585,7 +589,29 @@ def test_a_server_that_no_longer_knows_the_session_restarts_the_rollout_without_
     finally:
         session.close()
         relay.shutdown()
-    assert not relay.forget and session.retries == 1 and session.result.reward == 1.0
+    assert not relay.faults and session.retries == 1 and session.result.reward == 1.0
     console = capsys.readouterr().out
     assert "not answering" not in console and "answers again" not in console, console
+    assert_all_slots_free(rig)
+
+
+def test_a_session_forgotten_again_after_an_outage_gets_a_new_window(rig):
+    """--harbor-retry-window bounds a server that keeps forgetting sessions, not one that forgets, goes away, comes
+    back and forgets again: each time the forgetting starts again, the rollout gets a new window."""
+    agh = load_script()
+    relay = RefusalCountingRelay(rig.harbor_url)
+    # 1 s + 2 s + 3 s of waits lie between the two forgets: more than the 5 s window, were it not started again
+    relay.faults = ["forget", "drop", "drop", "forget"]
+    task = next(t for t in agh.fetch_catalogue(rig.harbor_url, rig.split) if t["task_name"] == "echo-hello")
+    factory = agh.HarborSessionFactory(
+        harbor_url=relay.url, harness="mini-swe-agent", sandbox="local", reward_key="correct,reward",
+        agent_step_limit=6, agent_timeout_s=60, max_consecutive_failures=1, retry_window_s=5.0,
+        sampling=agh.training_sampling({"temperature": 0.7}))
+    session = factory.create(agh.task_rows([task], rig.split, ["mini-swe-agent"])[0]["prompt"], 0)
+    try:
+        assert session.wait_for_completion() == 0, session.failure
+    finally:
+        session.close()
+        relay.shutdown()
+    assert not relay.faults and session.retries == 4 and session.result.reward == 1.0
     assert_all_slots_free(rig)
