@@ -1527,25 +1527,31 @@ def check_trainer_gpu(pf: Preflight) -> None:
                    f"{how}", f"run this script {where} with the CUDA torch of its header (`uv run`; NVIDIA driver >= "
                    f"{CUDA_DRIVER_FLOOR[13]})")
     else:
-        held, mine = [], []
+        held, busy, mine = [], [], []
         for index in range(min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpus)):  # one GPU a local rank
             props = torch.cuda.get_device_properties(index)
             mine.append(label := f"cuda:{index} ({props.name})")
-            vllm = [a for a in (pf.gpu_apps or {}).get(str(props.uuid).lower().removeprefix("gpu-"), [])
-                    if "vllm" in a[1].lower() and a[0] != os.getpid()]
+            others = [a for a in (pf.gpu_apps or {}).get(str(props.uuid).lower().removeprefix("gpu-"), [])
+                      if a[0] != os.getpid()]
+            vllm = [a for a in others if "vllm" in a[1].lower()]
             if vllm:
                 held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
+            elif others:  # another job on a shared node: its memory may grow into the trainer's
+                busy.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
         fix = "give vLLM and the trainer different GPUs (CUDA_VISIBLE_DEVICES): NCCL refuses two ranks on one device"
         if pf.ipc:
             pf.add("trainer GPU", PASS, f"{'; '.join(held) or ', '.join(mine)}: shared with vLLM on purpose "
                    "(the ipc backend pushes weights within one card)")
         elif held:
             pf.add("trainer GPU", FAIL, "; ".join(held), fix)
+        elif busy:
+            pf.add("trainer GPU", WARN, "; ".join(busy) + ": the trainer needs the card",
+                   "give the trainer a GPU no other job uses (CUDA_VISIBLE_DEVICES)")
         elif pf.gpu_apps is None:
             pf.add("trainer GPU", WARN, f"{', '.join(mine)}: nvidia-smi is unavailable, so whether vLLM shares it is "
                    "unknown", fix)
         else:
-            pf.add("trainer GPU", PASS, f"{', '.join(mine)}: no vLLM process on it")
+            pf.add("trainer GPU", PASS, f"{', '.join(mine)}: no other process on it")
 
 
 def check_same_gpu(pf: Preflight) -> None:

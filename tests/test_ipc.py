@@ -172,6 +172,26 @@ def test_under_mig_the_same_gpu_row_says_it_could_not_verify_instead_of_failing(
     assert "could not be verified" in detail and "MIG-<UUID" in fix, (detail, fix)
 
 
+def test_under_nccl_another_jobs_process_on_the_trainers_gpu_is_a_warning(monkeypatch):
+    """On a shared node another job's process on the trainer's card may grow into the memory the trainer needs."""
+    from types import SimpleNamespace
+
+    script = load_script()
+    pf = script.Preflight(script.parse_args(["--vllm-url", "http://127.0.0.1:8000"]))
+    pf.served = {"weight_transfer": "nccl"}
+    monkeypatch.setattr(script.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(script.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(script.torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(uuid="0e1de000-0000-4000-8000-0000000000a1",
+                                                            name="NVIDIA H100 80GB HBM3"))
+    pf.gpu_apps = {"0e1de000-0000-4000-8000-0000000000a1": [(999999, "python other_job.py", 40.0)]}
+    script.check_trainer_gpu(pf)
+    (check, status, detail, fix), = pf.rows
+    assert (check, status) == ("trainer GPU", "WARN"), (status, detail)
+    assert detail == "cuda:0 (NVIDIA H100 80GB HBM3): 1 other process(es) hold 40.0 GiB: the trainer needs the card"
+    assert "CUDA_VISIBLE_DEVICES" in fix, fix
+
+
 @pytest.mark.parametrize("backend, vllm_on, trainer_gpu, same_gpu", [
     ("nccl", "mine", "FAIL", None), ("ipc", "mine", "PASS", "PASS"), ("ipc", "other", "PASS", "FAIL")])
 def test_the_gpu_rows_find_vllm_by_its_process_title_on_the_gpus_nvidia_smi_lists(monkeypatch, tmp_path, backend,
