@@ -2188,6 +2188,7 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         self.efficiency_weight, self.groups_path = efficiency_weight, groups_path
         self.max_zero_variance_groups = max_zero_variance_groups
         self.flat_run: list[bool] = []  # zero-variance groups since the last group with variance: all solved?
+        self.solved_any = False  # a scored rollout of this launch solved its task: a later run of none is a fall
 
     def build_factory(self, build: Callable[..., Any], metrics_queue: Any, **kwargs: Any) -> Any:
         self.factory = build(**kwargs)
@@ -2204,6 +2205,7 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
             return samples  # cut short by the stop (its unfinished rollouts are empty): no group to count or settle
         rewards = [r for r in group.rollout_rewards if r is not None]
         zero = bool(rewards) and zero_variance(rewards)
+        self.solved_any = self.solved_any or any(r > 0 for r in rewards)
         kept_out = zero and self.max_zero_variance_groups > 0
         if self.groups_path:  # how each group settled: a resume runs no group settled other than with samples
             task = group.prompts[0][0]
@@ -2236,10 +2238,14 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
         self.flat_run.append(rewards[0] > 0)
         if len(self.flat_run) >= self.max_zero_variance_groups:
             solved = sum(self.flat_run)
+            # A policy that solved tasks earlier and now solves none has collapsed (measured: an lr too high for it).
+            fix = "Train on tasks curated by --eval-only --curate, or raise --max-zero-variance-groups"
+            if self.solved_any and not solved:
+                fix = ("Earlier groups of this run solved tasks, so the policy may have collapsed: resume from a "
+                       "checkpoint before the fall (--resume PATH) with a lower --learning-rate")
             self.stop(NoSignal(
                 f"the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} solved by every "
-                f"rollout, {len(self.flat_run) - solved} by none): no advantage to learn from. Train on tasks curated "
-                "by --eval-only --curate, or raise --max-zero-variance-groups"))
+                f"rollout, {len(self.flat_run) - solved} by none): no advantage to learn from. {fix}"))
         return []
 
     def stop(self, reason: TrainingStopped) -> None:

@@ -38,6 +38,7 @@ def scoring_loop(max_zero_variance_groups: int = 100):
     loop = object.__new__(agh.HarborRolloutLoop)
     loop.reward_funcs, loop._env_reward_types, loop.reward_func_names = [], [], ["harness_reward"]
     loop.efficiency_weight, loop.max_zero_variance_groups, loop.flat_run = W, max_zero_variance_groups, []
+    loop.solved_any = False
     loop.stop_event = threading.Event()
     loop.failures, loop.failed_event = queue.Queue(), threading.Event()  # TRL's failure channel to the trainer
     loop._counters, loop._rates = defaultdict(float), defaultdict(lambda: [0.0, 0.0])
@@ -123,6 +124,23 @@ def test_a_long_run_of_zero_variance_groups_stops_the_worker_with_the_reason():
     stop = agh.stop_from_child(failed)
     assert isinstance(stop, agh.NoSignal), stop
     assert re.match(r"^the last 3 groups .*\(1 solved by every rollout, 2 by none\).*--eval-only --curate", str(stop))
+
+
+def test_a_run_that_solved_tasks_and_then_solves_none_is_stopped_as_a_collapse_with_its_fix():
+    # Measured on one H100 (bench/results/README.md, 2026-12-07): a seed at 0.6 solved fell to solving nothing, where
+    # no group varies and nothing trains again. Curating the suite is not the fix there; an earlier policy is.
+    loop = scoring_loop(max_zero_variance_groups=2)
+    failed = [rollout(0.0), rollout(0.0)]
+    assert advantages([rollout(1.0), rollout(0.0)], loop) is not None
+    assert advantages(failed, loop) is None and advantages(failed, loop) is None
+    name, message, _ = loop.failures.get_nowait()
+    assert name == "NoSignal" and "(0 solved by every rollout, 2 by none)" in message, message
+    assert "Earlier groups of this run solved tasks, so the policy may have collapsed: resume from a checkpoint before the fall (--resume PATH) with a lower " \
+           "--learning-rate" in message and "--curate" not in message, message
+    # A suite this launch never solved is too hard for the model, not a fall: curate it.
+    never = scoring_loop(max_zero_variance_groups=2)
+    assert advantages(failed, never) is None and advantages(failed, never) is None
+    assert "--eval-only --curate" in never.failures.get_nowait()[1]
 
 
 def test_each_scored_group_is_settled_once_as_a_resume_reads_it(tmp_path):
