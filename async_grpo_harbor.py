@@ -661,7 +661,7 @@ class HarborSession(ResourceSession):
         # The proxy takes a training policy only from an engine it captures tokens from; any engine takes an eval one.
         policy = {"purpose": "eval", "eval_sampling": f.eval_sampling} if f.eval_sampling else {"sampling": f.sampling}
         # streak: the answer (SessionLost or ServerFull) the server keeps giving, and since when: the window it gets
-        lost, backoff, streak = False, 1.0, (None, 0.0)
+        lost, backoff, streak, waited, last = False, 1.0, (None, 0.0), 0.0, ""
         while not self._stopped.is_set():
             try:
                 f.reach_capture()
@@ -680,13 +680,13 @@ class HarborSession(ResourceSession):
                 if self._stopped.is_set():
                     return None
                 lost = lost or not isinstance(exc, CaptureLost)  # a rollout the capture check held never started
-                streak, wait = (None, 0.0), min(backoff, f.outage(exc))
+                streak, wait, last = (None, 0.0), min(backoff, f.outage(exc)), str(exc)
                 if wait <= 0:
                     return Failure(SERVER_GONE, f"{exc.what} has not answered for {f.retry_window_s:g}s "
                                                 f"(last: {exc.why})")
             except (SessionLost, ServerFull) as exc:  # the server answers (no outage): a new session, within the window
                 f.outage(None)
-                lost = lost or isinstance(exc, SessionLost)
+                lost, last = lost or isinstance(exc, SessionLost), str(exc)
                 streak = streak if streak[0] is type(exc) else (type(exc), time.monotonic())
                 wait = min(backoff, streak[1] + f.retry_window_s - time.monotonic())
                 if wait <= 0 and isinstance(exc, ServerFull):
@@ -696,6 +696,10 @@ class HarborSession(ResourceSession):
                     return Failure("session_lost", f"{exc}, again for {f.retry_window_s:g}s (--harbor-retry-window)")
             except Exception as exc:  # noqa: BLE001 - this rollout's failure, not the server's: judged unscorable
                 return Failure("transport", f"harbor server call failed: {type(exc).__name__}: {exc}")
+            if waited + wait > 3 * f.retry_window_s:  # a window restarts when the answer changes: bound them all
+                return Failure("retries", f"the rollout kept failing to start through {waited:.0f}s of retries (3 x "
+                                          f"--harbor-retry-window); the last: {last}")
+            waited += wait
             self._stopped.wait(wait)
             client.close()
             backoff = min(2 * backoff, 10.0)
@@ -1293,6 +1297,13 @@ def url_port(url: str) -> int:
     return parts.port or (443 if parts.scheme == "https" else 80)
 
 
+def parent_pid(pid: int) -> int | None:
+    """From /proc; None when the process is gone."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return None
+
+
 def port_listeners(port: int) -> tuple[set[str], set[int]]:
     """The addresses TCP sockets listen on `port` at in this network namespace, and the processes holding them with
     their descendants (vLLM's engine core, on the GPU, is its API server's child): vLLM reports neither."""
@@ -1310,7 +1321,7 @@ def port_listeners(port: int) -> tuple[set[str], set[int]]:
     parents, tree = {}, set()
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):  # not a pid, gone meanwhile, or another user's
-            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parents[int(proc.name)] = parent_pid(int(proc.name))
             if inodes and any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
                 tree.add(int(proc.name))
     while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
@@ -1527,16 +1538,18 @@ def check_trainer_gpu(pf: Preflight) -> None:
                    f"{how}", f"run this script {where} with the CUDA torch of its header (`uv run`; NVIDIA driver >= "
                    f"{CUDA_DRIVER_FLOOR[13]})")
     else:
-        held, busy, mine = [], [], []
+        held, busy, mine, ranks = [], [], [], int(os.environ.get("WORLD_SIZE", "1"))
         for index in range(min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), gpus)):  # one GPU a local rank
             props = torch.cuda.get_device_properties(index)
             mine.append(label := f"cuda:{index} ({props.name})")
             others = [a for a in (pf.gpu_apps or {}).get(str(props.uuid).lower().removeprefix("gpu-"), [])
                       if a[0] != os.getpid()]
             vllm = [a for a in others if "vllm" in a[1].lower()]
+            # This run's other ranks hold their GPUs too (accelerate's set_device): the launcher started them.
+            others = [a for a in others if not (ranks > 1 and parent_pid(a[0]) == os.getppid())]
             if vllm:
                 held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
-            elif others:  # another job on a shared node: its memory may grow into the trainer's
+            elif others:
                 busy.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
         fix = "give vLLM and the trainer different GPUs (CUDA_VISIBLE_DEVICES): NCCL refuses two ranks on one device"
         if pf.ipc:
@@ -1545,7 +1558,7 @@ def check_trainer_gpu(pf: Preflight) -> None:
         elif held:
             pf.add("trainer GPU", FAIL, "; ".join(held), fix)
         elif busy:
-            pf.add("trainer GPU", WARN, "; ".join(busy) + ": the trainer needs the card",
+            pf.add("trainer GPU", WARN, "; ".join(busy) + ", which may grow into the trainer's memory",
                    "give the trainer a GPU no other job uses (CUDA_VISIBLE_DEVICES)")
         elif pf.gpu_apps is None:
             pf.add("trainer GPU", WARN, f"{', '.join(mine)}: nvidia-smi is unavailable, so whether vLLM shares it is "
@@ -2242,7 +2255,8 @@ class HarborRolloutLoop(_HarnessRolloutLoop):
             fix = "Train on tasks curated by --eval-only --curate, or raise --max-zero-variance-groups"
             if self.solved_any and not solved:
                 fix = ("Earlier groups of this run solved tasks, so the policy may have collapsed: resume from a "
-                       "checkpoint before the fall (--resume PATH) with a lower --learning-rate")
+                       "checkpoint before the fall (--resume PATH; the step lines' solve rate shows when) with a lower "
+                       "--learning-rate")
             self.stop(NoSignal(
                 f"the last {len(self.flat_run)} groups each scored all their rollouts alike ({solved} solved by every "
                 f"rollout, {len(self.flat_run) - solved} by none): no advantage to learn from. {fix}"))
@@ -2584,10 +2598,22 @@ class HarborRolloutWorker(HarnessRolloutWorker):
 
 
 class StopAtStepEnd(TrainerCallback):
-    """Ends training at the step's end, with a save, once any rank has a stop request; completes each checkpoint."""
+    """Ends training at the step's end, with a save, once any rank has a stop request; completes each checkpoint;
+    resumes at --learning-rate."""
 
     def __init__(self, trainer):
         self.trainer = trainer
+
+    def on_train_begin(self, args, _state, _control, optimizer=None, lr_scheduler=None, **_kwargs):
+        # A resume loads the checkpoint's rate with its optimizer and schedule: the flag wins (lowered after a fall).
+        state = lr_scheduler.state_dict() if hasattr(lr_scheduler, "base_lrs") else {"base_lrs": [0.0]}
+        if state["base_lrs"][0] and state["base_lrs"][0] != args.learning_rate:
+            scale = args.learning_rate / state["base_lrs"][0]
+            for group in optimizer.param_groups:
+                group.update({key: group[key] * scale for key in ("lr", "initial_lr") if key in group})
+            # private: torch's _last_lr, a state_dict key: transformers logs a step's rate from it, before the step
+            lr_scheduler.load_state_dict({**state, **{key: [lr * scale for lr in state[key]]
+                                                      for key in ("base_lrs", "_last_lr") if key in state}})
 
     def on_step_end(self, _args, _state, control, **_kwargs):
         trainer = self.trainer

@@ -572,46 +572,50 @@ def test_a_full_harbor_server_is_waited_for_within_the_retry_window(rig):
     assert_all_slots_free(rig)
 
 
-def test_a_server_that_no_longer_knows_the_session_restarts_the_rollout_without_an_outage(rig, capsys):
-    """The server answers but has forgotten the rollout's session (restarted between the session's open and the
-    rollout's call): the rollout starts again in a new session, and no outage is reported, the server never went."""
+def rollout_through_relay(rig, faults: list[str], retry_window_s: float = 300.0):
+    """echo-hello's rollout through a relay that does `faults` to its rollout calls, in turn: (its session, the faults
+    it did not get to)."""
     agh = load_script()
     relay = RefusalCountingRelay(rig.harbor_url)
-    relay.faults = ["forget"]
+    relay.faults = list(faults)
     task = next(t for t in agh.fetch_catalogue(rig.harbor_url, rig.split) if t["task_name"] == "echo-hello")
     factory = agh.HarborSessionFactory(
         harbor_url=relay.url, harness="mini-swe-agent", sandbox="local", reward_key="correct,reward",
-        agent_step_limit=6, agent_timeout_s=60, max_consecutive_failures=1,
+        agent_step_limit=6, agent_timeout_s=60, max_consecutive_failures=1, retry_window_s=retry_window_s,
         sampling=agh.training_sampling({"temperature": 0.7}))
     session = factory.create(agh.task_rows([task], rig.split, ["mini-swe-agent"])[0]["prompt"], 0)
     try:
-        assert session.wait_for_completion() == 0, session.failure
+        session.wait_for_completion()
     finally:
         session.close()
         relay.shutdown()
-    assert not relay.faults and session.retries == 1 and session.result.reward == 1.0
+    assert_all_slots_free(rig)
+    return session, relay.faults
+
+
+def test_a_server_that_no_longer_knows_the_session_restarts_the_rollout_without_an_outage(rig, capsys):
+    """The server answers but has forgotten the rollout's session (restarted between the session's open and the
+    rollout's call): the rollout starts again in a new session, and no outage is reported, the server never went."""
+    session, left = rollout_through_relay(rig, ["forget"])
+    assert session.failure is None and session.result.reward == 1.0 and not left and session.retries == 1
     console = capsys.readouterr().out
     assert "not answering" not in console and "answers again" not in console, console
-    assert_all_slots_free(rig)
 
 
 def test_a_session_forgotten_again_after_an_outage_gets_a_new_window(rig):
     """--harbor-retry-window bounds a server that keeps forgetting sessions, not one that forgets, goes away, comes
     back and forgets again: each time the forgetting starts again, the rollout gets a new window."""
-    agh = load_script()
-    relay = RefusalCountingRelay(rig.harbor_url)
-    # 1 s + 2 s + 3 s of waits lie between the two forgets: more than the 5 s window, were it not started again
-    relay.faults = ["forget", "drop", "drop", "forget"]
-    task = next(t for t in agh.fetch_catalogue(rig.harbor_url, rig.split) if t["task_name"] == "echo-hello")
-    factory = agh.HarborSessionFactory(
-        harbor_url=relay.url, harness="mini-swe-agent", sandbox="local", reward_key="correct,reward",
-        agent_step_limit=6, agent_timeout_s=60, max_consecutive_failures=1, retry_window_s=5.0,
-        sampling=agh.training_sampling({"temperature": 0.7}))
-    session = factory.create(agh.task_rows([task], rig.split, ["mini-swe-agent"])[0]["prompt"], 0)
-    try:
-        assert session.wait_for_completion() == 0, session.failure
-    finally:
-        session.close()
-        relay.shutdown()
-    assert not relay.faults and session.retries == 4 and session.result.reward == 1.0
-    assert_all_slots_free(rig)
+    # 1 s + 2 s + 4 s of waits lie between the two forgets: more than the 5 s window, were it not started again
+    session, left = rollout_through_relay(rig, ["forget", "drop", "drop", "forget"], retry_window_s=5.0)
+    assert session.failure is None and session.result.reward == 1.0 and not left and session.retries == 4
+
+
+def test_a_server_whose_answers_keep_changing_fails_the_rollout_after_three_windows_of_retries(rig):
+    """Each answer's window starts again when the answer changes, so alternating ones would retry forever: a rollout
+    retries for at most 3 x --harbor-retry-window in all, then is unscorable, with the last answer."""
+    # Waits of ~1 s each (the 1 s windows): the fourth would pass 3 s.
+    session, left = rollout_through_relay(rig, ["forget", "drop"] * 10, retry_window_s=1.0)
+    assert session.failure.kind == "retries" and session.retries == 3 and len(left) == 16, (session.failure, left)
+    assert session.failure.message.startswith("the rollout kept failing to start through 3s of retries (3 x "
+                                              "--harbor-retry-window); the last: the Harbor server at http"), \
+        session.failure.message

@@ -172,8 +172,10 @@ def test_under_mig_the_same_gpu_row_says_it_could_not_verify_instead_of_failing(
     assert "could not be verified" in detail and "MIG-<UUID" in fix, (detail, fix)
 
 
-def test_under_nccl_another_jobs_process_on_the_trainers_gpu_is_a_warning(monkeypatch):
-    """On a shared node another job's process on the trainer's card may grow into the memory the trainer needs."""
+@pytest.mark.parametrize("launch", ["another job", "this run's other rank"])
+def test_under_nccl_another_jobs_process_on_the_trainers_gpu_is_a_warning(monkeypatch, launch):
+    """On a shared node another job's process on the trainer's card may grow into the memory the trainer needs; this
+    run's other ranks, started by the same launcher, hold their GPUs on purpose."""
     from types import SimpleNamespace
 
     script = load_script()
@@ -184,12 +186,24 @@ def test_under_nccl_another_jobs_process_on_the_trainers_gpu_is_a_warning(monkey
     monkeypatch.setattr(script.torch.cuda, "get_device_properties",
                         lambda device=None: SimpleNamespace(uuid="0e1de000-0000-4000-8000-0000000000a1",
                                                             name="NVIDIA H100 80GB HBM3"))
-    pf.gpu_apps = {"0e1de000-0000-4000-8000-0000000000a1": [(999999, "python other_job.py", 40.0)]}
-    script.check_trainer_gpu(pf)
+    other = subprocess.Popen(["sleep", "60"])  # its parent is this process: the launcher, for the rank case
+    if launch == "this run's other rank":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setattr(os, "getppid", os.getpid)
+    pf.gpu_apps = {"0e1de000-0000-4000-8000-0000000000a1": [(other.pid, "python train.py", 40.0)]}
+    try:
+        script.check_trainer_gpu(pf)
+    finally:
+        other.kill()
+        other.wait()
     (check, status, detail, fix), = pf.rows
-    assert (check, status) == ("trainer GPU", "WARN"), (status, detail)
-    assert detail == "cuda:0 (NVIDIA H100 80GB HBM3): 1 other process(es) hold 40.0 GiB: the trainer needs the card"
-    assert "CUDA_VISIBLE_DEVICES" in fix, fix
+    if launch == "another job":
+        assert (check, status) == ("trainer GPU", "WARN"), (status, detail)
+        assert detail == ("cuda:0 (NVIDIA H100 80GB HBM3): 1 other process(es) hold 40.0 GiB, which may grow into the "
+                          "trainer's memory") and "CUDA_VISIBLE_DEVICES" in fix, (detail, fix)
+    else:
+        assert (check, status, detail) == ("trainer GPU", "PASS", "cuda:0 (NVIDIA H100 80GB HBM3): no other process on "
+                                                                  "it"), (status, detail)
 
 
 @pytest.mark.parametrize("backend, vllm_on, trainer_gpu, same_gpu", [

@@ -196,6 +196,20 @@ def test_a_resume_runs_the_untrained_groups_first_then_continues_the_order():
     assert order.after(1, done=set()) == ([5, 7], 9)
 
 
+def test_a_resume_trains_at_the_learning_rate_it_is_given(preempted_and_relaunched, rig, tmp_path):
+    # The optimizer and schedule a resume loads carry the checkpoint's rate: a run relaunched with a lower
+    # --learning-rate (after a fall) must train at it, not quietly at the old one.
+    out = tmp_path / "out"
+    shutil.copytree(preempted_and_relaunched[4], out)
+    relaunched = run_script(default_filter(train_args(rig, out, "--max-steps", "4", "--save-steps", "1",
+                                                      "--resume", "auto", "--learning-rate", "2e-4")), cwd=tmp_path)
+    assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+    history = log_history(out, 4)
+    assert [(e["step"], e["learning_rate"]) for e in history] == [(1, 1e-3), (2, 1e-3), (3, 1e-3), (4, 2e-4)], history
+    optimizer = torch.load(out / "checkpoint-4" / "optimizer.pt", weights_only=False)
+    assert {group["lr"] for group in optimizer["param_groups"]} == {2e-4}, optimizer["param_groups"]
+
+
 # The state files this script reads; a save killed midway lacks the resume order written last (the relaunch above).
 @pytest.mark.parametrize("damage", ["cut trainer_state.json", "no rollout_state.json"])
 def test_a_damaged_checkpoint_is_not_resumed_from(preempted_and_relaunched, tmp_path, damage):

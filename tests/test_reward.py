@@ -135,8 +135,9 @@ def test_a_run_that_solved_tasks_and_then_solves_none_is_stopped_as_a_collapse_w
     assert advantages(failed, loop) is None and advantages(failed, loop) is None
     name, message, _ = loop.failures.get_nowait()
     assert name == "NoSignal" and "(0 solved by every rollout, 2 by none)" in message, message
-    assert "Earlier groups of this run solved tasks, so the policy may have collapsed: resume from a checkpoint before the fall (--resume PATH) with a lower " \
-           "--learning-rate" in message and "--curate" not in message, message
+    assert ("Earlier groups of this run solved tasks, so the policy may have collapsed: resume from a checkpoint "
+            "before the fall (--resume PATH; the step lines' solve rate shows when) with a lower --learning-rate"
+            in message and "--curate" not in message), message
     # A suite this launch never solved is too hard for the model, not a fall: curate it.
     never = scoring_loop(max_zero_variance_groups=2)
     assert advantages(failed, never) is None and advantages(failed, never) is None
