@@ -1546,11 +1546,11 @@ def check_trainer_gpu(pf: Preflight) -> None:
                       if a[0] != os.getpid()]
             vllm = [a for a in others if "vllm" in a[1].lower()]
             # This run's other ranks hold their GPUs too (accelerate's set_device): the launcher started them.
-            others = [a for a in others if not (ranks > 1 and parent_pid(a[0]) == os.getppid())]
+            jobs = [a for a in others if not (ranks > 1 and parent_pid(a[0]) == os.getppid())]
             if vllm:
                 held.append(f"{label} is vLLM's: pid {vllm[0][0]} holds {sum(a[2] for a in vllm):.1f} GiB")
-            elif others:
-                busy.append(f"{label}: {len(others)} other process(es) hold {sum(a[2] for a in others):.1f} GiB")
+            elif jobs:
+                busy.append(f"{label}: {len(jobs)} other process(es) hold {sum(a[2] for a in jobs):.1f} GiB")
         fix = "give vLLM and the trainer different GPUs (CUDA_VISIBLE_DEVICES): NCCL refuses two ranks on one device"
         if pf.ipc:
             pf.add("trainer GPU", PASS, f"{'; '.join(held) or ', '.join(mine)}: shared with vLLM on purpose "
@@ -2606,14 +2606,16 @@ class StopAtStepEnd(TrainerCallback):
 
     def on_train_begin(self, args, _state, _control, optimizer=None, lr_scheduler=None, **_kwargs):
         # A resume loads the checkpoint's rate with its optimizer and schedule: the flag wins (lowered after a fall).
-        state = lr_scheduler.state_dict() if hasattr(lr_scheduler, "base_lrs") else {"base_lrs": [0.0]}
-        if state["base_lrs"][0] and state["base_lrs"][0] != args.learning_rate:
-            scale = args.learning_rate / state["base_lrs"][0]
-            for group in optimizer.param_groups:
-                group.update({key: group[key] * scale for key in ("lr", "initial_lr") if key in group})
-            # private: torch's _last_lr, a state_dict key: transformers logs a step's rate from it, before the step
-            lr_scheduler.load_state_dict({**state, **{key: [lr * scale for lr in state[key]]
-                                                      for key in ("base_lrs", "_last_lr") if key in state}})
+        base = getattr(lr_scheduler, "base_lrs", None)
+        if not base or not base[0] or base[0] == args.learning_rate:  # a fresh start, or an lr-0 run: nothing to scale
+            return
+        scale = args.learning_rate / base[0]
+        for group in optimizer.param_groups:
+            group.update({key: group[key] * scale for key in ("lr", "initial_lr") if key in group})
+        state = lr_scheduler.state_dict()
+        # private: torch's _last_lr, a state_dict key: transformers logs a step's rate from it, before the step
+        lr_scheduler.load_state_dict({**state, **{key: [lr * scale for lr in state[key]]
+                                                  for key in ("base_lrs", "_last_lr") if key in state}})
 
     def on_step_end(self, _args, _state, control, **_kwargs):
         trainer = self.trainer
